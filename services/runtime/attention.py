@@ -1,0 +1,158 @@
+"""Attention over the paged KV cache, behind one backend interface.
+
+A step's tokens arrive flattened: decode tokens first (one per sequence), then each prompt
+chunk. `BatchMetadata` says where each segment's tokens sit and which blocks hold its context.
+The torch backend (CPU and CUDA) uses SDPA; flash-attn is used on CUDA when it imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One sequence's chunk of prompt tokens: `q_len` new tokens ending at `context_len`."""
+
+    q_start: int
+    q_len: int
+    context_len: int
+    block_ids: torch.Tensor
+
+    @property
+    def is_fresh(self) -> bool:
+        """No earlier context: the chunk attends only to itself."""
+        return self.context_len == self.q_len
+
+
+@dataclass(slots=True)
+class BatchMetadata:
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSegment]
+    logits_indices: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Writes `k`/`v` into the cache at `meta.slot_mapping` and returns attention `[T, heads, head_dim]`."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
+    """A sequence's first `context_len` cached tokens as `[context_len, kv_heads, head_dim]`."""
+    return cache[block_ids].flatten(0, 1)[:context_len]
+
+
+class TorchAttention:
+    """SDPA on any device; decode tokens attend in one padded, masked batch."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        for seg in meta.prefills:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale):
+        batch = q.shape[0]
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.view(batch, -1, 1, q.shape[-1]), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, seg, scale):
+        if seg.is_fresh:
+            keys, values, mask, causal = k, v, None, True
+        else:
+            keys = gather_context(k_cache, seg.block_ids, seg.context_len)
+            values = gather_context(v_cache, seg.block_ids, seg.context_len)
+            mask = _offset_causal_mask(seg.q_len, seg.context_len, q.device)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def _offset_causal_mask(q_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position context_len - q_len + i) sees keys at positions up to its own."""
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
+
+
+class FlashAttention:
+    """flash-attn's paged varlen kernel on CUDA; chosen automatically when it imports."""
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+
+        self._with_kvcache = flash_attn_with_kvcache
+        self._torch = TorchAttention()
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        # flash-attn's paged kernel takes pages of a multiple of 256 slots; smaller blocks use SDPA.
+        if meta.prefills or not meta.num_decode_tokens or k_cache.shape[1] % 256:
+            return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self._with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache,
+            cache_seqlens=meta.decode_context_lens.to(torch.int32),
+            block_table=meta.decode_block_tables.to(torch.int32),
+            softmax_scale=scale, causal=True,
+        )
+        return out.squeeze(1)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` takes flash-attn on CUDA when it imports, else torch SDPA."""
+    if name not in ("auto", "torch", "flash"):
+        raise ValueError(f"attention backend {name!r} is unknown; use auto, torch or flash")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttention()
+    if device.type != "cuda":
+        raise ValueError("the flash attention backend needs a CUDA device; use --attention torch on CPU")
+    try:
+        return FlashAttention()
+    except ImportError:
+        if name == "flash":
+            raise ValueError("flash-attn is not importable; install flash-attn or use --attention torch") from None
+        return TorchAttention()

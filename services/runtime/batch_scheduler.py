@@ -1,0 +1,145 @@
+"""Iteration-level batching: which sequences run in the next step, and how many tokens each.
+
+Running sequences go first, in arrival order, one chunk each (a decode token or the next
+prompt chunk); waiting sequences are admitted after them while the token budget, the sequence
+cap and the free blocks allow. When a running sequence needs a block and none is free, the
+most recently admitted running sequence is preempted: its blocks are released and it waits at
+the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.common.block_hash import hash_chain
+from services.runtime.block_manager import BlockManager
+from services.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every token has KV, so the next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunk_size: int
+    enable_prefix_cache: bool
+
+
+class IterationScheduler:
+    def __init__(self, blocks: BlockManager, limits: SchedulerLimits) -> None:
+        self.blocks = blocks
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (imported); it decodes from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.limits.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)
+            if not self._ensure_blocks(seq, num_new):
+                continue
+            chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            self.running.append(chunk.seq)
+            chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+        return chunks
+
+    def _ensure_blocks(self, seq: Sequence, num_new: int) -> bool:
+        """Finds room for `seq`'s next chunk, preempting from the tail; False if `seq` itself was preempted."""
+        needed = self._blocks_needed(seq, num_new)
+        while not self.blocks.can_allocate(needed):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.blocks.allocate(needed))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        hits = self._match_prefix(seq) if not seq.block_table else []
+        seq.num_computed_tokens = len(hits) * self.blocks.block_size
+        num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)
+        needed = self._blocks_needed(seq, num_new) - len(hits)
+        if not self.blocks.can_allocate(needed):
+            self.blocks.release(hits)
+            seq.num_computed_tokens = 0
+            return None
+        seq.block_table = hits + self.blocks.allocate(needed)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        return ScheduledChunk(seq, num_new)
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Acquires the cached blocks of `seq`'s longest cached prefix, always leaving a token to compute."""
+        if not self.limits.enable_prefix_cache:
+            return []
+        size = self.blocks.block_size
+        usable = (seq.num_tokens - 1) // size
+        hashes = hash_chain(seq.token_ids, size, seq.salt)[:usable]
+        token_blocks = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(usable)]
+        hits = self.blocks.match_prefix(hashes, token_blocks)
+        self.blocks.acquire(hits)
+        seq.block_hashes = hashes[: len(hits)]
+        self.prefix_queries_tokens += seq.num_tokens
+        self.prefix_hit_tokens += len(hits) * size
+        return hits
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        size = self.blocks.block_size
+        total = -(-(seq.num_computed_tokens + num_new) // size)
+        return max(0, total - len(seq.block_table))
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def release_blocks(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []

@@ -1,0 +1,281 @@
+"""The in-process engine: requests in, tokens out, one iteration per `step()`.
+
+Colocated mode runs it alone; a prefill worker runs it with `stop_after_prefill` and exports
+each request's KV after the first token; a decode worker reserves blocks, imports KV into them
+and admits the request to its running batch at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.common.block_hash import hash_block
+from services.runtime.attention import select_backend
+from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
+from services.runtime.block_manager import BlockManager
+from services.runtime.kv_cache import PagedKVCache
+from services.runtime.kv_transfer import KvChunk, export_kv, import_kv
+from services.runtime.model import CausalLM
+from services.runtime.model_runner import ModelRunner, order_for_batch
+from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed
+from services.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    chunk_size: int | None = None
+    enable_prefix_cache: bool = True
+    max_model_len: int | None = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    iterations: int = 0
+    last_batch_size: int = 0
+    max_batch_size: int = 0
+    batch_size_counts: dict[int, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+        self.config = config
+        self.model = model
+        self.model_config = model.config
+        num_blocks = config.num_kv_blocks or PagedKVCache.blocks_for_budget(
+            model.config, config.kv_memory_bytes, config.block_size, config.dtype
+        )
+        self.cache = PagedKVCache(model.config, num_blocks, config.block_size, config.dtype, model.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = IterationScheduler(self.blocks, SchedulerLimits(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            chunk_size=config.chunk_size or config.max_num_batched_tokens,
+            enable_prefix_cache=config.enable_prefix_cache,
+        ))
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._reserved: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        backend = select_backend(config.attention_backend, device)
+        return cls(CausalLM.from_model_dir(model_dir, backend, config.dtype, device), config)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        salt: str = "",
+        stop_after_prefill: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        self._check_new(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, resolve_seed(seed if seed is not None else params.seed),
+                       salt=salt, stop_after_prefill=stop_after_prefill)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops the request wherever it is and frees its blocks at once; False if unknown."""
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            self.blocks.release(reserved)
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return reserved is not None
+        self.scheduler.remove(seq)
+        self.scheduler.release_blocks(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the iteration ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        chunks = order_for_batch(self.scheduler.schedule())
+        if not chunks:
+            return []
+        self._record_batch(len(chunks))
+        logits = self.runner.run(chunks)
+        completing = [c for c in chunks if c.completes]
+        sampled = self.sampler.sample(logits, [self._sample_request(c.seq) for c in completing])
+        for chunk in chunks:
+            self._advance(chunk)
+        return [self._append(c.seq, token) for c, token in zip(completing, sampled)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Runs prompts to completion together; returns each one's output token ids."""
+        ids = [f"generate-{i}-{id(prompts)}" for i in range(len(prompts))]
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[rid] for rid in ids]
+
+    def _record_batch(self, size: int) -> None:
+        stats = self.stats
+        stats.iterations += 1
+        stats.last_batch_size = size
+        stats.max_batch_size = max(stats.max_batch_size, size)
+        stats.batch_size_counts[size] = stats.batch_size_counts.get(size, 0) + 1
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        return SampleRequest(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, seq.output_token_ids,
+                             self.model_config.eos_token_ids)
+
+    def _advance(self, chunk: ScheduledChunk) -> None:
+        """Counts the chunk's tokens as computed and indexes the blocks it filled in the prefix cache."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_new_tokens
+        size = self.blocks.block_size
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block(parent, tokens, (seq.salt,) if index == 0 and seq.salt else ())
+            seq.block_hashes.append(block_hash)
+            self.blocks.commit(seq.block_table[index], block_hash, tokens)
+
+    def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        seq.token_ids.append(token.token_id)
+        seq.output_logprobs.append(token)
+        seq.status = self._status_after(seq, token.token_id)
+        if seq.status.is_finished:
+            self.scheduler.remove(seq)
+            self.scheduler.release_blocks(seq)
+            del self._requests[seq.request_id]
+        elif seq.stop_after_prefill:
+            seq.status = SequenceStatus.PREFILLED
+            self.scheduler.remove(seq)
+        return RequestOutput(seq.request_id, [token.token_id], [token], seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+
+    def _status_after(self, seq: Sequence, token_id: int) -> SequenceStatus:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.model_config.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return SequenceStatus.RUNNING
+
+    def _check_new(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty; a request needs at least one prompt token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        params.validate()
+
+    # -- disaggregation: the prefill side ---------------------------------------------------
+
+    def prefilled(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} has no prefilled KV to export")
+        return seq
+
+    def detach(self, request_id: str) -> Sequence:
+        """Takes a running request out of the batch, keeping its KV for export (migration)."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            raise KeyError(f"request {request_id!r} is not decoding; only a decoding request can be detached")
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.PREFILLED
+        return seq
+
+    def export_request(self, request_id: str, max_chunk_bytes: int = 1 << 20) -> Iterator[KvChunk]:
+        """The KV of every computed token of a prefilled or detached request, layer by layer.
+
+        Call `release_prefilled` after the last chunk is sent.
+        """
+        seq = self.prefilled(request_id)
+        num_blocks = self.blocks_for_tokens(seq.num_computed_tokens)
+        return export_kv(self.cache, seq.block_table[:num_blocks], max_chunk_bytes)
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Frees the exported request's blocks; its full blocks stay in the prefix cache."""
+        seq = self.prefilled(request_id)
+        self.scheduler.release_blocks(seq)
+        del self._requests[request_id]
+        seq.status = SequenceStatus.FINISHED_STOPPED
+
+    # -- disaggregation: the decode side ----------------------------------------------------
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.blocks.block_size)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Allocates the blocks for a request's `num_tokens` tokens (imported KV plus the last sampled token)."""
+        if request_id in self._requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        block_ids = self.blocks.allocate(self.blocks_for_tokens(num_tokens))
+        self._reserved[request_id] = block_ids
+        return block_ids
+
+    def import_chunk(self, request_id: str, chunk: KvChunk) -> None:
+        if request_id not in self._reserved:
+            raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before sending KV")
+        import_kv(self.cache, self._reserved[request_id], chunk)
+
+    def admit_imported(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+        params: SamplingParams, seed: int, salt: str = "",
+    ) -> None:
+        """Starts decoding a request whose KV (all tokens but the last) was imported, from the next step on."""
+        block_ids = self._reserved.pop(request_id, None)
+        if block_ids is None:
+            raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before admitting")
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt=salt,
+                       token_ids=list(prompt_token_ids) + list(output_token_ids))
+        seq.block_table = block_ids
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self._requests[request_id] = seq
+        self.scheduler.add_running(seq)

@@ -1,0 +1,54 @@
+"""The paged KV cache: per-layer K and V block tensors preallocated from a memory budget.
+
+Block `b` of layer `l` holds the keys of `block_size` consecutive token slots in
+`k[l, b]` (shape `[block_size, kv_heads, head_dim]`); a token's slot is `b * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.runtime.model_config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be at least 1")
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def blocks_for_budget(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        """How many blocks fit in `memory_bytes` of KV memory."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        block_bytes = config.kv_bytes_per_token(itemsize) * block_size
+        blocks = memory_bytes // block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {memory_bytes} bytes holds no block of {block_bytes} bytes; raise --kv-memory"
+            )
+        return int(blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """(block_size, kv_heads, head_dim) of one layer's block."""
+        return tuple(self.k.shape[2:])  # type: ignore[return-value]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index], self.v[index]

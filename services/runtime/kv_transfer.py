@@ -1,0 +1,80 @@
+"""KV export and import as self-describing chunks: a small header and raw tensor bytes, no pickle.
+
+A chunk holds K and V of `num_blocks` consecutive blocks of one layer, shaped
+`[2, num_blocks, block_size, kv_heads, head_dim]`; `first_block` indexes the sequence's block
+list, so the receiver writes it into its own block ids. Layers go in order, so a sender can ship
+layer `l` while it still computes later ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.runtime.kv_cache import PagedKVCache
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(slots=True)
+class KvChunk:
+    layer: int
+    first_block: int
+    num_blocks: int
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def blocks_per_chunk(cache: PagedKVCache, max_chunk_bytes: int) -> int:
+    block_bytes = 2 * int(np.prod(cache.block_shape)) * cache.k.element_size()
+    if block_bytes > max_chunk_bytes:
+        raise ValueError(f"one block of one layer is {block_bytes} bytes; max_chunk_bytes {max_chunk_bytes} is too small")
+    return max_chunk_bytes // block_bytes
+
+
+def export_kv(cache: PagedKVCache, block_ids: list[int], max_chunk_bytes: int = 1 << 20) -> Iterator[KvChunk]:
+    per_chunk = blocks_per_chunk(cache, max_chunk_bytes)
+    dtype = DTYPE_NAMES[cache.dtype]
+    for layer in range(cache.num_layers):
+        k_cache, v_cache = cache.layer(layer)
+        for first in range(0, len(block_ids), per_chunk):
+            ids = torch.tensor(block_ids[first : first + per_chunk], device=cache.k.device)
+            both = torch.stack((k_cache[ids], v_cache[ids])).cpu().contiguous()
+            yield KvChunk(layer, first, len(ids), dtype, tuple(both.shape), _tensor_bytes(both))
+
+
+def import_kv(cache: PagedKVCache, block_ids: list[int], chunk: KvChunk) -> None:
+    """Writes `chunk` into `block_ids[chunk.first_block : ...]`; checks the header against this cache."""
+    expected = (2, chunk.num_blocks, *cache.block_shape)
+    if chunk.dtype != DTYPE_NAMES[cache.dtype]:
+        raise ValueError(f"KV chunk dtype {chunk.dtype} does not match this cache's {DTYPE_NAMES[cache.dtype]}")
+    if tuple(chunk.shape) != expected:
+        raise ValueError(f"KV chunk shape {tuple(chunk.shape)} does not match the expected {expected}")
+    if not 0 <= chunk.layer < cache.num_layers:
+        raise ValueError(f"KV chunk layer {chunk.layer} is outside [0, {cache.num_layers})")
+    if chunk.first_block < 0 or chunk.first_block + chunk.num_blocks > len(block_ids):
+        raise ValueError(
+            f"KV chunk covers blocks {chunk.first_block}..{chunk.first_block + chunk.num_blocks - 1} "
+            f"but only {len(block_ids)} blocks are reserved"
+        )
+    expected_bytes = int(np.prod(expected)) * cache.k.element_size()
+    if len(chunk.data) != expected_bytes:
+        raise ValueError(f"KV chunk carries {len(chunk.data)} bytes; its header says {expected_bytes}")
+    both = torch.frombuffer(bytearray(chunk.data), dtype=DTYPES[chunk.dtype]).view(expected)
+    ids = torch.tensor(block_ids[chunk.first_block : chunk.first_block + chunk.num_blocks], device=cache.k.device)
+    k_cache, v_cache = cache.layer(chunk.layer)
+    k_cache[ids] = both[0].to(cache.k.device)
+    v_cache[ids] = both[1].to(cache.k.device)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.view(torch.uint8).numpy().tobytes() if tensor.dtype == torch.bfloat16 else tensor.numpy().tobytes()

@@ -1,0 +1,78 @@
+"""Turns a step's scheduled chunks into one flattened model call and returns the sampled rows' logits.
+
+Decode chunks (one new token) come first so the attention backend can run them as one padded
+batch; prompt chunks follow in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.runtime.attention import BatchMetadata, PrefillSegment
+from services.runtime.batch_scheduler import ScheduledChunk
+from services.runtime.kv_cache import PagedKVCache
+from services.runtime.model import CausalLM
+
+
+def order_for_batch(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """`chunks` must already be in `order_for_batch` order; returns logits of the completing chunks."""
+        input_ids, meta = self._prepare(chunks)
+        return self.model.forward(input_ids, meta, self.cache)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMetadata]:
+        size = self.cache.block_size
+        device = self.model.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        prefills: list[PrefillSegment] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            q_start = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // size] * size + p % size for p in range(start, end))
+            if chunk.completes:
+                logits_rows.append(len(ids) - 1)
+            if chunk.num_new_tokens == 1:
+                decode_tables.append(seq.block_table[: -(-end // size)])
+                decode_lens.append(end)
+            else:
+                block_ids = torch.tensor(seq.block_table[: -(-end // size)], device=device)
+                prefills.append(PrefillSegment(q_start, chunk.num_new_tokens, end, block_ids))
+        tables, lens, mask = self._decode_tensors(decode_tables, decode_lens, size, device)
+        meta = BatchMetadata(
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(slots, device=device),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            decode_mask=mask,
+            prefills=prefills,
+            logits_indices=torch.tensor(logits_rows, device=device, dtype=torch.long),
+        )
+        return torch.tensor(ids, device=device), meta
+
+    @staticmethod
+    def _decode_tensors(tables: list[list[int]], lens: list[int], block_size: int, device: torch.device):
+        if not tables:
+            return None, None, None
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        context_lens = torch.tensor(lens, device=device)
+        key_pos = torch.arange(width * block_size, device=device)
+        mask = (key_pos[None, :] < context_lens[:, None]).view(len(lens), 1, 1, -1)
+        return padded, context_lens, mask
