@@ -125,6 +125,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def num_requests(self) -> int:
         return len(self._requests)
 

@@ -1,0 +1,87 @@
+"""The correctness oracle: HF transformers greedy `generate` on the same model and dtype.
+
+`reference_outputs` runs each prompt alone and keeps the raw logits of every generated
+position, so a comparison can tell a real divergence from a near-tie (top two logits within
+`NEAR_TIE`), the only divergence a parity test may accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+NEAR_TIE = 1e-3
+
+LONG_PREFIX = (
+    "You are a careful assistant for a small library. The library opens at nine in the morning and closes "
+    "at six in the evening, except on Sundays when it is closed all day. Members may borrow up to five books "
+    "for three weeks, renew them twice online, and reserve new arrivals at the front desk. Quiet rooms on the "
+    "second floor can be booked for two hours at a time. "
+)
+LONG_STORY = " ".join(
+    f"Chapter {i}: the traveller crossed the {color} valley, counted {i * 3} stones by the river, "
+    f"and wrote a short note about the weather before resting under a tall {tree} tree."
+    for i, color, tree in zip(range(1, 10), ["green", "red", "blue", "grey", "golden", "white", "dark", "quiet", "wide"],
+                              ["oak", "pine", "birch", "maple", "cedar", "willow", "elm", "ash", "yew"])
+)
+PARITY_PROMPTS = [
+    "Hello",
+    "What is the capital of France?",
+    LONG_STORY + " Summarize the journey:",
+    LONG_PREFIX + "Question: when does the library close on Saturdays?",
+    LONG_PREFIX + "Question: how many books can a member borrow?",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+]
+MAX_NEW_TOKENS = 48
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    prompt_ids: list[int]
+    tokens: list[int]
+    logits: list[torch.Tensor]
+
+
+def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    references = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(ids):].tolist()
+            references.append(Reference(ids, tokens, [step[0].float() for step in out.logits]))
+    return references
+
+
+def first_divergence(got: list[int], ref: Reference) -> int | None:
+    """Index of the first differing token, or None when `got` equals the reference exactly."""
+    for index, (a, b) in enumerate(zip(got, ref.tokens)):
+        if a != b:
+            return index
+    return None if len(got) == len(ref.tokens) else min(len(got), len(ref.tokens))
+
+
+def assert_matches(got: list[int], ref: Reference, label: str = "") -> None:
+    """Token-exact, except a divergence at a checked near-tie of the reference's top two logits."""
+    index = first_divergence(got, ref)
+    if index is None:
+        return
+    assert index < len(ref.tokens) and index < len(got), (
+        f"{label}: length differs: got {len(got)} tokens, reference {len(ref.tokens)}\n got {got}\n ref {ref.tokens}"
+    )
+    top2 = torch.topk(ref.logits[index], 2).values
+    margin = float(top2[0] - top2[1])
+    assert margin < NEAR_TIE, (
+        f"{label}: token {index} is {got[index]}, reference {ref.tokens[index]} (top-2 margin {margin:.2e}, "
+        f"not a near-tie)\n got {got}\n ref {ref.tokens}"
+    )
