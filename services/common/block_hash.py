@@ -1,0 +1,72 @@
+"""The block-hash chain of the prefix cache: one definition for the scheduler and the runtime.
+
+A block's hash covers its parent's hash, its token ids and its extra keys (the tenant salt on
+the first block), so equal hashes mean equal prefixes. Torch-free on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", str)
+"""32 hex characters: a blake2b digest of 16 bytes."""
+
+_DIGEST_SIZE = 16
+_NO_PARENT = b"\x00"
+_HAS_PARENT = b"\x01"
+
+
+def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()) -> BlockHash:
+    """Hash one block chained on its parent's hash.
+
+    Every field is length-prefixed, so no two different (parent, tokens, extra_keys) encode to
+    the same bytes: ("ab",) and ("a", "b") differ, and so do tokens split differently.
+    """
+    digest = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    digest.update(_encode_parent(parent))
+    digest.update(_encode_tokens(tokens))
+    digest.update(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        digest.update(struct.pack("<I", len(raw)))
+        digest.update(raw)
+    return BlockHash(digest.hexdigest())
+
+
+def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[BlockHash]:
+    """The hashes of every full block of `token_ids`; a trailing partial block has none.
+
+    Block i is chained on block i-1. A non-empty `salt` is an extra key of the first block only:
+    through the chain it separates every later block as well.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra_keys = (salt,) if salt and parent is None else ()
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+def _encode_parent(parent: BlockHash | None) -> bytes:
+    if parent is None:
+        return _NO_PARENT
+    try:
+        raw = bytes.fromhex(parent)
+    except ValueError:
+        raw = b""
+    if len(raw) != _DIGEST_SIZE:
+        raise ValueError(f"parent must be a block hash of {2 * _DIGEST_SIZE} hex characters, got {parent!r}")
+    return _HAS_PARENT + raw
+
+
+def _encode_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<I{len(tokens)}Q", len(tokens), *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**64): {exc}") from None
