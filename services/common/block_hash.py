@@ -47,10 +47,14 @@ def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "") -> lis
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra_keys = (salt,) if salt and parent is None else ()
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        parent = hash_next_block(parent, token_ids[start : start + block_size], salt)
         hashes.append(parent)
     return hashes
+
+
+def hash_next_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") -> BlockHash:
+    """One link of `hash_chain`: the salt is an extra key of the first block (no parent) only."""
+    return hash_block(parent, tokens, (salt,) if salt and parent is None else ())
 
 
 def _encode_parent(parent: BlockHash | None) -> bytes:

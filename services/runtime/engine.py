@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.block_hash import hash_block
+from services.common.block_hash import hash_next_block
 from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
 from services.runtime.block_manager import BlockManager
@@ -175,7 +175,7 @@ class Engine:
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_block(parent, tokens, (seq.salt,) if index == 0 and seq.salt else ())
+            block_hash = hash_next_block(parent, tokens, seq.salt)
             seq.block_hashes.append(block_hash)
             self.blocks.commit(seq.block_table[index], block_hash, tokens)
 
