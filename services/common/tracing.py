@@ -1,0 +1,274 @@
+"""OpenTelemetry for Tandem's services: exporter setup, W3C context in gRPC metadata, token timings.
+
+Spans go to OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set, else to the run directory as JSON
+lines (`tandem.spans.SpanRecord`) for `tandem trace`. Export runs on a batch worker thread with a
+bounded queue: the request path only appends to it, and a dead backend costs dropped spans, not time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opentelemetry import baggage, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.context import Context
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tandem.paths import run_dir as default_run_dir
+from tandem.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, encode_records, span_file
+
+__all__ = [
+    "Attr", "Event", "SpanName", "TokenTimings", "JsonlSpanExporter", "setup_tracing",
+    "inject_metadata", "extract_context", "kv_transfer_attributes", "span_record",
+]
+
+_log = logging.getLogger(__name__)
+_PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+_SCHEDULE_DELAY_MS = 500  # local span files should be readable right after a request
+_DROP_PAUSE_S = 30.0
+
+
+def setup_tracing(
+    service_name: str,
+    run_dir: Path | None = None,
+    *,
+    instance: str | None = None,
+    exporter: SpanExporter | None = None,
+    install_global: bool = True,
+) -> TracerProvider:
+    """A tracer provider for one service, installed as the global one unless `install_global` is False.
+
+    The exporter is `exporter` when given (tests pass an in-memory one), OTLP/gRPC when
+    OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set, else a JSON-lines file
+    `spans-<service_name>.jsonl` in `run_dir` (default $TANDEM_RUN_DIR or $TANDEM_HOME/run).
+    OTEL_SERVICE_NAME, when set, overrides the reported service name; `instance` (a worker's
+    HOST:PORT) becomes `service.instance.id` and `tandem.worker` (the SDK's default instance id is a
+    random UUID). Give the root span of a request `attributes={Attr.REQUEST_ID: id}`: the provider
+    copies it onto every span of the request. Call `provider.shutdown()` when the service stops.
+    """
+    attributes: dict[str, str] = {SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME") or service_name}
+    if instance:
+        attributes[SERVICE_INSTANCE_ID] = instance
+        attributes[Attr.WORKER] = instance
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(_RequestIdProcessor())
+    provider.add_span_processor(_batch_processor(exporter or _default_exporter(service_name, run_dir)))
+    if install_global:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def _default_exporter(service_name: str, run_dir: Path | None) -> SpanExporter:
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return _DropWhileFailing(OTLPSpanExporter(), f"OTLP endpoint {endpoint}")
+    path = span_file(run_dir or default_run_dir(), service_name)
+    return _DropWhileFailing(JsonlSpanExporter(path), f"span file {path}")
+
+
+def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    """Bounded queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048): when full, new spans are dropped."""
+    delay = None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else _SCHEDULE_DELAY_MS
+    return BatchSpanProcessor(exporter, schedule_delay_millis=delay)
+
+
+# (trace_id, span_id) -> request id of the process's open spans, so children inherit it.
+_open_request_ids: dict[tuple[int, int], str] = {}
+
+
+class _RequestIdProcessor(SpanProcessor):
+    """Puts `tandem.request_id` on every span of a request. A span gets it from its start attributes,
+    else from its parent span in this process, else from the baggage of a remote parent (which
+    `inject_metadata` adds), so only the root span has to be given the id."""
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        request_id = (span.attributes or {}).get(Attr.REQUEST_ID)
+        if request_id is None and span.parent is not None:
+            request_id = _open_request_ids.get((span.parent.trace_id, span.parent.span_id))
+        if request_id is None:
+            request_id = baggage.get_baggage(Attr.REQUEST_ID, parent_context)
+        if request_id is None:
+            return
+        span.set_attribute(Attr.REQUEST_ID, str(request_id))
+        _open_request_ids[(span.context.trace_id, span.context.span_id)] = str(request_id)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        _open_request_ids.pop((span.context.trace_id, span.context.span_id), None)
+
+
+class _DropWhileFailing(SpanExporter):
+    """After a failed export, drops batches for a pause instead of trying again: each OTLP attempt
+    holds the batch worker for up to its timeout. Says so in a warning, at most once per pause."""
+
+    def __init__(self, inner: SpanExporter, target: str, pause_s: float = _DROP_PAUSE_S) -> None:
+        self._inner = inner
+        self._target = target
+        self._pause_s = pause_s
+        self._resume_at = 0.0
+        self._dropped = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if time.monotonic() < self._resume_at:
+            self._dropped += len(spans)
+            return SpanExportResult.FAILURE
+        result = self._inner.export(spans)
+        if result is SpanExportResult.FAILURE:
+            self._dropped += len(spans)
+            self._resume_at = time.monotonic() + self._pause_s
+            _log.warning("tracing: cannot export spans to %s; %d span(s) dropped so far, next try in %.0fs",
+                         self._target, self._dropped, self._pause_s)
+        return result
+
+    def shutdown(self, timeout_millis: float = 30_000) -> None:
+        self._inner.shutdown(timeout_millis=timeout_millis)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends finished spans to a file, one JSON record per line. Each batch is one O_APPEND
+    write, so several processes of one service can share the file without interleaving lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        data = encode_records(span_record(s) for s in spans)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            _log.debug("tracing: writing %s failed: %s", self.path, exc)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self, timeout_millis: float = 30_000) -> None:
+        return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def span_record(span: ReadableSpan) -> SpanRecord:
+    """The file record of a finished SDK span."""
+    context = span.context
+    resource = span.resource.attributes
+    return SpanRecord(
+        trace_id=format(context.trace_id, "032x"),
+        span_id=format(context.span_id, "016x"),
+        parent_span_id=format(span.parent.span_id, "016x") if span.parent else None,
+        name=span.name,
+        service=str(resource.get(SERVICE_NAME, "")),
+        instance=str(resource[Attr.WORKER]) if Attr.WORKER in resource else None,
+        kind=span.kind.name.lower(),
+        start_ns=span.start_time or 0,
+        end_ns=span.end_time or 0,
+        attributes=_plain(span.attributes),
+        events=[SpanEvent(e.name, e.timestamp, _plain(e.attributes)) for e in span.events],
+        status=span.status.status_code.name,
+        status_message=span.status.description or "",
+    )
+
+
+def _plain(attributes: object) -> dict[str, object]:
+    """OTel attribute values with tuples as lists (JSON arrays)."""
+    items = dict(attributes or {}).items()  # type: ignore[call-overload]
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+
+
+def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
+    """gRPC metadata (`traceparent`, `tracestate`, `baggage`) carrying `context` (default: the current
+    one): its span becomes the remote parent, and its request id travels as baggage."""
+    span_context = trace.get_current_span(context).get_span_context()
+    request_id = _open_request_ids.get((span_context.trace_id, span_context.span_id))
+    if request_id is not None and baggage.get_baggage(Attr.REQUEST_ID, context) is None:
+        context = baggage.set_baggage(Attr.REQUEST_ID, request_id, context)
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return list(carrier.items())
+
+
+def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+    """The remote context in incoming gRPC metadata (e.g. `context.invocation_metadata()`);
+    an empty context when there is none, so spans started under it become new roots."""
+    carrier = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
+    return _PROPAGATOR.extract(carrier, context=Context())
+
+
+def kv_transfer_attributes(blocks: int, num_bytes: int, chunks: int, seconds: float) -> dict[str, int | float]:
+    """Attributes of a KV transfer span (either end); MB/s is 10^6 bytes per second."""
+    return {
+        Attr.KV_BLOCKS: blocks,
+        Attr.KV_BYTES: num_bytes,
+        Attr.KV_CHUNKS: chunks,
+        Attr.KV_MB_PER_S: num_bytes / 1e6 / seconds if seconds > 0 else 0.0,
+    }
+
+
+@dataclass(slots=True)
+class TokenTimings:
+    """A request's token arrival times folded into aggregates: time to first token, mean and max
+    inter-token gap. Put on the span with `annotate` at the end, never one span per token."""
+
+    start_ns: int = field(default_factory=time.time_ns)
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    num_tokens: int = 0
+    max_gap_ns: int = 0
+
+    def record(self, num_tokens: int = 1, now_ns: int | None = None) -> float | None:
+        """Note `num_tokens` arriving now. Returns the gap since the previous arrival in seconds
+        (an inter-token latency observation), None for the first arrival."""
+        now = time.time_ns() if now_ns is None else now_ns
+        previous = self.last_token_ns
+        if previous is None:
+            self.first_token_ns = now
+        else:
+            self.max_gap_ns = max(self.max_gap_ns, now - previous)
+        self.last_token_ns = now
+        self.num_tokens += num_tokens
+        return None if previous is None else (now - previous) / 1e9
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_ns is None else (self.first_token_ns - self.start_ns) / 1e9
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean gap per token after the first: (last - first) / (tokens - 1)."""
+        if self.num_tokens < 2 or self.first_token_ns is None or self.last_token_ns is None:
+            return None
+        return (self.last_token_ns - self.first_token_ns) / (self.num_tokens - 1) / 1e9
+
+    @property
+    def max_itl_s(self) -> float | None:
+        return self.max_gap_ns / 1e9 if self.num_tokens >= 2 else None
+
+    def attributes(self) -> dict[str, float]:
+        values = {Attr.TTFT_S: self.ttft_s, Attr.ITL_MEAN_S: self.mean_itl_s, Attr.ITL_MAX_S: self.max_itl_s}
+        return {key: value for key, value in values.items() if value is not None}
+
+    def annotate(self, span: trace.Span) -> None:
+        """Set the aggregates as attributes and a `first_token` event at its time."""
+        span.set_attributes(self.attributes())
+        if self.first_token_ns is not None:
+            span.add_event(Event.FIRST_TOKEN, timestamp=self.first_token_ns)

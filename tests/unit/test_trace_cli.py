@@ -1,0 +1,310 @@
+"""`tandem trace` over synthetic span files of requests that crossed all four services, and Jaeger."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.tracing import extract_context, inject_metadata, setup_tracing
+from tandem import cli
+from tandem.spans import Attr, SpanEvent, SpanName, SpanRecord, encode_records, span_file
+
+T0 = 1_700_000_000_000_000_000
+MS = 1_000_000
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PREFILL = "127.0.0.1:50061"
+DECODE = "127.0.0.1:50071"
+
+
+def _span(span_id: int, parent: int | None, name: str, service: str, start_ms: int, end_ms: int,
+          trace_id: str = TRACE, request_id: str | None = "req-7", instance: str | None = None,
+          t0: int = T0, **attributes: Any) -> SpanRecord:
+    attrs = {Attr.REQUEST_ID: request_id} if request_id else {}
+    return SpanRecord(trace_id=trace_id, span_id=f"{span_id:016x}",
+                      parent_span_id=f"{parent:016x}" if parent is not None else None, name=name,
+                      service=service, instance=instance, start_ns=t0 + start_ms * MS, end_ns=t0 + end_ms * MS,
+                      attributes={**attrs, **attributes}, kind="server" if parent in (None, 1) else "internal")
+
+
+def _request_7() -> list[SpanRecord]:
+    """One request through gateway, scheduler, prefill (two chunks) and decode."""
+    root = _span(1, None, SpanName.GATEWAY, "gateway", 0, 400, **{
+        Attr.GEN_AI_OPERATION_NAME: "chat", Attr.GEN_AI_REQUEST_MODEL: "SmolLM2-135M-Instruct",
+        Attr.GEN_AI_USAGE_INPUT_TOKENS: 28, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 20,
+        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"], Attr.TTFT_S: 0.12, Attr.ITL_MAX_S: 0.031})
+    root.events = [SpanEvent("first_token", T0 + 120 * MS)]
+    return [
+        root,
+        _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 2, 398),
+        _span(3, 2, SpanName.SCHEDULER_QUEUE, "scheduler", 3, 8),
+        _span(4, 2, SpanName.SCHEDULER_ROUTE, "scheduler", 8, 9, **{
+            Attr.ROUTE_PREFILL_WORKER: PREFILL, Attr.ROUTE_DECODE_WORKER: DECODE,
+            Attr.ROUTE_SCORES: json.dumps({PREFILL: {"cached_tokens": 16, "queued_tokens": 0}})}),
+        _span(5, 2, SpanName.PREFILL, "prefill", 10, 130, instance=PREFILL),
+        _span(6, 5, SpanName.PREFILL_ITERATION, "prefill", 11, 60, instance=PREFILL, **{
+            Attr.PREFILL_TOKENS_COMPUTED: 8, Attr.PREFILL_TOKENS_CACHED: 16, Attr.BATCH_SIZE: 2}),
+        _span(7, 5, SpanName.PREFILL_ITERATION, "prefill", 60, 110, instance=PREFILL, **{
+            Attr.PREFILL_TOKENS_COMPUTED: 4, Attr.PREFILL_TOKENS_CACHED: 0, Attr.BATCH_SIZE: 1}),
+        _span(8, 5, SpanName.KV_SEND, "prefill", 112, 128, instance=PREFILL, **{
+            Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30, Attr.KV_MB_PER_S: 34.56}),
+        _span(9, 8, SpanName.KV_RECEIVE, "decode", 113, 127, instance=DECODE, **{
+            Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30}),
+        # Spans are selected by trace, so one that lacks the request id still belongs.
+        _span(10, 2, SpanName.RELAY, "scheduler", 120, 398, request_id=None),
+        _span(11, 2, SpanName.DECODE, "decode", 128, 395, instance=DECODE, **{Attr.DECODE_ITERATIONS: 19}),
+    ]
+
+
+# Pre-order of the tree above: (depth, name).
+EXPECTED_ROWS = [
+    (0, SpanName.GATEWAY), (1, SpanName.SCHEDULER_SUBMIT), (2, SpanName.SCHEDULER_QUEUE),
+    (2, SpanName.SCHEDULER_ROUTE), (2, SpanName.PREFILL), (3, SpanName.PREFILL_ITERATION),
+    (3, SpanName.PREFILL_ITERATION), (3, SpanName.KV_SEND), (4, SpanName.KV_RECEIVE), (2, SpanName.RELAY),
+    (2, SpanName.DECODE),
+]
+
+
+def _other_request(request_id: str, trace_id: str, t0: int) -> list[SpanRecord]:
+    root = _span(1, None, SpanName.GATEWAY, "gateway", 0, 50, trace_id=trace_id, request_id=request_id, t0=t0,
+                 **{Attr.GEN_AI_USAGE_INPUT_TOKENS: 5, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 1,
+                    Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"], Attr.TTFT_S: 0.04})
+    return [root, _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 1, 49, trace_id=trace_id,
+                        request_id=request_id, t0=t0)]
+
+
+def _all_spans() -> list[SpanRecord]:
+    return (_other_request("req-6", "11" * 16, T0 - 10**9) + _request_7()
+            + _other_request("req-8", "22" * 16, T0 + 10**9))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    spans = _all_spans()
+    for service in ("gateway", "scheduler", "prefill", "decode"):
+        mine = [s for s in spans if s.service == service]
+        span_file(tmp_path, service).write_bytes(encode_records(mine))
+    with span_file(tmp_path, "decode").open("a") as f:
+        f.write('{"trace_id": "cut short by a cr\n')
+    return tmp_path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["trace", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rows(text: str) -> list[tuple[int, str]]:
+    names = {name for _, name in EXPECTED_ROWS}
+    rows = []
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] in names and "|" in line:
+            rows.append(((len(line) - len(line.lstrip())) // 2, words[0]))
+    return rows
+
+
+def test_text_waterfall_shows_every_hop_in_order(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "req-7", "--run-dir", str(run_dir))
+
+    assert code == 0
+    assert _rows(out) == EXPECTED_ROWS
+    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  11 spans  400.0ms"
+    lines = out.splitlines()
+    first_chunk = next(i for i, line in enumerate(lines) if line.lstrip().startswith(SpanName.PREFILL_ITERATION))
+    assert lines[first_chunk].split()[1:4] == [f"prefill@{PREFILL}", "11.0ms", "49.0ms"]
+    assert lines[first_chunk + 1].split() == ["prefill.tokens_computed=8", "prefill.tokens_cached=16", "batch_size=2"]
+    root_row = lines[2]
+    assert root_row.endswith("|" + "█" * 40 + "|")
+    assert "first_token@120.0ms" in lines[3]
+    assert "skipped 1 malformed line(s)" in err
+
+
+def test_json_is_the_span_tree(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "req-7", "--run-dir", str(run_dir), "--format", "json")
+    document = json.loads(out)
+
+    flat: list[tuple[int, dict[str, Any]]] = []
+
+    def visit(nodes: list[dict[str, Any]], depth: int, parent_id: str | None) -> None:
+        for node in nodes:
+            children = node.pop("children")
+            assert node["parent_span_id"] == parent_id
+            flat.append((depth, node))
+            visit(children, depth + 1, node["span_id"])
+
+    visit(document["spans"], 0, None)
+    assert code == 0 and document["request_id"] == "req-7"
+    assert [(d, n["name"]) for d, n in flat] == EXPECTED_ROWS
+    assert sorted((n for _, n in flat), key=lambda n: n["span_id"]) == [s.to_json() for s in _request_7()]
+
+
+def test_html_page_is_written_and_self_contained(run_dir: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "req-7.html"
+    code, _, err = _run(capsys, "req-7", "--run-dir", str(run_dir), "--html", str(page))
+    html = page.read_text()
+
+    assert code == 0 and f"wrote {page}" in err
+    assert html.startswith("<!DOCTYPE html>") and html.count('<div class="row') == 1 + len(EXPECTED_ROWS)
+    position = 0
+    for _, name in EXPECTED_ROWS:  # index() raises when a row is missing or out of order
+        position = html.index(f">{name}</div>", position) + 1
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    assert "prefill.tokens_cached=16" in html
+
+
+def test_last_lists_recent_requests_newest_first(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--last", "2", "--run-dir", str(run_dir))
+    header, *rows = out.splitlines()
+
+    assert code == 0
+    assert header.split() == ["STARTED", "REQUEST", "ID", "TTFT", "IN", "OUT", "TOTAL", "FINISH", "STATUS"]
+    assert [row.split()[2:] for row in rows] == [
+        ["req-8", "40.0ms", "5", "1", "50.0ms", "length", "UNSET"],
+        ["req-7", "120.0ms", "28", "20", "400.0ms", "stop", "UNSET"],
+    ]
+
+
+def test_last_as_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--last", "5", "--run-dir", str(run_dir), "--format", "json")
+
+    assert code == 0
+    listed = [(r["request_id"], r["ttft_s"], r["input_tokens"], r["output_tokens"], r["total_s"], r["finish_reason"])
+              for r in json.loads(out)]
+    assert listed == [("req-8", 0.04, 5, 1, 0.05, "length"), ("req-7", 0.12, 28, 20, 0.4, "stop"),
+                      ("req-6", 0.04, 5, 1, 0.05, "length")]
+
+
+def test_unknown_request_and_missing_files_say_what_to_do(run_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "nope", "--run-dir", str(run_dir))
+    assert code == 1 and "no spans for request 'nope'" in err and "--last N" in err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _run(capsys, "req-7", "--run-dir", str(empty))
+    assert code == 1 and f"no span files (spans-*.jsonl) in {empty}" in err
+
+    code, _, err = _run(capsys, "--run-dir", str(run_dir))
+    assert code == 2 and "either a REQUEST_ID or --last N" in err
+
+
+def test_run_dir_defaults_to_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TANDEM_RUN_DIR", str(run_dir))
+    code, out, _ = _run(capsys, "req-7")
+    assert code == 0 and _rows(out) == EXPECTED_ROWS
+
+
+def test_traces_written_by_the_services_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    gateway = setup_tracing("gateway", tmp_path, install_global=False)
+    decode = setup_tracing("decode", tmp_path, instance=DECODE, install_global=False)
+    with gateway.get_tracer("t").start_as_current_span(SpanName.GATEWAY, attributes={Attr.REQUEST_ID: "r1"}):
+        remote = extract_context(inject_metadata())
+        with decode.get_tracer("t").start_as_current_span(SpanName.DECODE, context=remote):
+            pass
+    gateway.shutdown()
+    decode.shutdown()
+
+    code, out, _ = _run(capsys, "r1", "--run-dir", str(tmp_path))
+    assert code == 0 and _rows(out) == [(0, SpanName.GATEWAY), (1, SpanName.DECODE)]
+    assert f"decode@{DECODE}" in out
+
+
+# --- Jaeger: a fake query endpoint serving the same spans in Jaeger's JSON ---------------------
+
+
+def _jaeger_trace(spans: list[SpanRecord]) -> dict[str, Any]:
+    processes: dict[str, dict[str, Any]] = {}
+    out = []
+    for span in spans:
+        key = f"{span.service}|{span.instance}"
+        process_tags = [{"key": Attr.WORKER, "type": "string", "value": span.instance}] if span.instance else []
+        processes.setdefault(key, {"serviceName": span.service, "tags": process_tags})
+        tags = [_jaeger_tag(k, v) for k, v in span.attributes.items()]
+        if span.kind != "internal":
+            tags.append({"key": "span.kind", "type": "string", "value": span.kind})
+        out.append({
+            "traceID": span.trace_id, "spanID": span.span_id, "operationName": span.name,
+            "references": [{"refType": "CHILD_OF", "traceID": span.trace_id, "spanID": span.parent_span_id}]
+            if span.parent_span_id else [],
+            "startTime": span.start_ns // 1000, "duration": span.duration_ns // 1000, "tags": tags,
+            "logs": [{"timestamp": e.time_ns // 1000, "fields": [{"key": "event", "type": "string", "value": e.name}]}
+                     for e in span.events],
+            "processID": key,
+        })
+    return {"traceID": spans[0].trace_id, "spans": out, "processes": processes}
+
+
+def _jaeger_tag(key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, list):  # OTLP arrays reach Jaeger as JSON strings
+        return {"key": key, "type": "string", "value": json.dumps(value)}
+    kind = {bool: "bool", int: "int64", float: "float64"}.get(type(value), "string")
+    return {"key": key, "type": kind, "value": value}
+
+
+@pytest.fixture
+def jaeger() -> Iterator[str]:
+    traces: dict[str, list[SpanRecord]] = {}
+    for span in _all_spans():
+        traces.setdefault(span.trace_id, []).append(span)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urllib.parse.urlparse(self.path)
+            query = dict(urllib.parse.parse_qsl(url.query))
+            if url.path == "/api/services":
+                body: Any = {"data": ["gateway", "scheduler", "prefill", "decode", "jaeger-all-in-one"]}
+            elif url.path.startswith("/api/traces/"):
+                body = {"data": [_jaeger_trace(traces[url.path.rsplit("/", 1)[1]])]}
+            else:
+                wanted = json.loads(query.get("tags", "{}")).get(Attr.REQUEST_ID)
+                body = {"data": [_jaeger_trace(spans) for spans in traces.values()
+                                 if any(s.service == query["service"] for s in spans)
+                                 and (wanted is None or any(s.request_id == wanted for s in spans))]}
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_jaeger_gives_the_same_tree_as_the_span_files(run_dir: Path, jaeger: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _, from_files, _ = _run(capsys, "req-7", "--run-dir", str(run_dir), "--format", "json")
+    code, from_jaeger, _ = _run(capsys, "req-7", "--jaeger", jaeger, "--format", "json")
+
+    assert code == 0
+    assert json.loads(from_jaeger) == json.loads(from_files)
+
+
+def test_jaeger_last(jaeger: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--last", "2", "--jaeger", jaeger, "--format", "json")
+    assert code == 0 and [r["request_id"] for r in json.loads(out)] == ["req-8", "req-7"]
+
+
+def test_unreachable_jaeger_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "req-7", "--jaeger", "http://127.0.0.1:9")
+    assert code == 1 and "cannot query Jaeger at http://127.0.0.1:9/api/services" in err

@@ -1,0 +1,225 @@
+"""Tracing setup: span files, W3C context across services, request ids, token timings, dead OTLP."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from services.common.tracing import (
+    Attr,
+    Event,
+    SpanName,
+    TokenTimings,
+    extract_context,
+    inject_metadata,
+    kv_transfer_attributes,
+    setup_tracing,
+)
+from tandem.spans import SpanRecord, load_span_files
+
+GENAI_REQUEST = {
+    Attr.GEN_AI_OPERATION_NAME: "chat",
+    Attr.GEN_AI_REQUEST_MODEL: "SmolLM2-135M-Instruct",
+    Attr.GEN_AI_REQUEST_MAX_TOKENS: 32,
+    Attr.GEN_AI_REQUEST_TEMPERATURE: 0.0,
+    Attr.GEN_AI_REQUEST_TOP_P: 1.0,
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_otlp(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _by_name(records: list[SpanRecord]) -> dict[str, SpanRecord]:
+    return {r.name: r for r in records}
+
+
+def test_spans_of_two_services_link_through_grpc_metadata(tmp_path: Path) -> None:
+    gateway = setup_tracing("gateway", tmp_path, install_global=False)
+    scheduler = setup_tracing("scheduler", tmp_path, instance="127.0.0.1:50052", install_global=False)
+    attributes = {Attr.REQUEST_ID: "req-1", **GENAI_REQUEST}
+    with gateway.get_tracer("test").start_as_current_span(SpanName.GATEWAY, kind=SpanKind.SERVER,
+                                                          attributes=attributes) as root:
+        metadata = inject_metadata()
+        remote = extract_context(metadata)
+        tracer = scheduler.get_tracer("test")
+        # The servicer starts its span under the remote context without making it current,
+        # as a worker thread would: the request id must still arrive through baggage.
+        submit = tracer.start_span(SpanName.SCHEDULER_SUBMIT, context=remote, kind=SpanKind.SERVER)
+        with tracer.start_as_current_span(SpanName.SCHEDULER_QUEUE, context=trace.set_span_in_context(submit)):
+            pass
+        submit.end()
+        root.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, ["stop"])
+        root.set_attribute(Attr.GEN_AI_USAGE_INPUT_TOKENS, 12)
+        root.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, 32)
+    gateway.shutdown()
+    scheduler.shutdown()
+
+    loaded = load_span_files(tmp_path)
+    spans = _by_name(loaded.spans)
+    root_span, submit_span, queue_span = (spans[n] for n in (SpanName.GATEWAY, SpanName.SCHEDULER_SUBMIT,
+                                                              SpanName.SCHEDULER_QUEUE))
+    assert [p.name for p in loaded.files] == ["spans-gateway.jsonl", "spans-scheduler.jsonl"]
+    assert len(loaded.spans) == 3 and loaded.malformed_lines == 0
+    assert dict(metadata)["traceparent"] == f"00-{root_span.trace_id}-{root_span.span_id}-03"
+    assert dict(metadata)["baggage"] == "tandem.request_id=req-1"
+    assert {s.trace_id for s in loaded.spans} == {root_span.trace_id}
+    assert root_span.parent_span_id is None
+    assert submit_span.parent_span_id == root_span.span_id
+    assert queue_span.parent_span_id == submit_span.span_id
+    assert [s.request_id for s in (root_span, submit_span, queue_span)] == ["req-1"] * 3
+    assert (root_span.service, root_span.instance, root_span.kind) == ("gateway", None, "server")
+    assert (submit_span.service, submit_span.instance) == ("scheduler", "127.0.0.1:50052")
+    assert root_span.attributes == {**attributes, Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"],
+                                    Attr.GEN_AI_USAGE_INPUT_TOKENS: 12, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 32}
+    assert root_span.start_ns <= submit_span.start_ns <= queue_span.start_ns <= queue_span.end_ns <= root_span.end_ns
+
+
+def test_request_id_arrives_from_another_process_in_baggage(tmp_path: Path) -> None:
+    metadata = [("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+                ("baggage", "tandem.request_id=req-9"), ("x-tandem-internal-token", "secret")]
+    provider = setup_tracing("prefill", tmp_path, install_global=False)
+    tracer = provider.get_tracer("test")
+    # A worker thread: explicit contexts, nothing made current.
+    request_span = tracer.start_span(SpanName.PREFILL, context=extract_context(metadata))
+    tracer.start_span(SpanName.PREFILL_ITERATION, context=trace.set_span_in_context(request_span)).end()
+    request_span.end()
+    provider.shutdown()
+
+    spans = _by_name(load_span_files(tmp_path).spans)
+    assert spans[SpanName.PREFILL].trace_id == "0af7651916cd43dd8448eb211c80319c"
+    assert spans[SpanName.PREFILL].parent_span_id == "b7ad6b7169203331"
+    assert spans[SpanName.PREFILL_ITERATION].parent_span_id == spans[SpanName.PREFILL].span_id
+    assert [s.request_id for s in spans.values()] == ["req-9", "req-9"]
+
+
+def test_metadata_of_a_span_without_request_id_carries_no_baggage() -> None:
+    provider = setup_tracing("gateway", exporter=InMemorySpanExporter(), install_global=False)
+    with provider.get_tracer("test").start_as_current_span("plain"):
+        metadata = dict(inject_metadata())
+    provider.shutdown()
+
+    assert set(metadata) == {"traceparent"}
+
+
+def test_no_metadata_starts_a_new_trace() -> None:
+    exporter = InMemorySpanExporter()
+    provider = setup_tracing("scheduler", exporter=exporter, install_global=False)
+    provider.get_tracer("test").start_span("orphan", context=extract_context(None)).end()
+    provider.force_flush()
+
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is None and Attr.REQUEST_ID not in (span.attributes or {})
+    provider.shutdown()
+
+
+def test_otel_service_name_overrides_the_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "tandem-prefill-a")
+    provider = setup_tracing("prefill", tmp_path, install_global=False)
+    provider.get_tracer("test").start_span("x").end()
+    provider.shutdown()
+
+    (record,) = load_span_files(tmp_path).spans
+    assert record.service == "tandem-prefill-a"
+    assert (tmp_path / "spans-prefill.jsonl").exists()
+
+
+def test_token_timings_aggregate_instead_of_per_token_spans() -> None:
+    timings = TokenTimings(start_ns=1_000_000_000)
+    gaps = [timings.record(now_ns=1_150_000_000), timings.record(now_ns=1_170_000_000),
+            timings.record(now_ns=1_230_000_000), timings.record(num_tokens=2, now_ns=1_240_000_000)]
+    exporter = InMemorySpanExporter()
+    provider = setup_tracing("gateway", exporter=exporter, install_global=False)
+    span = provider.get_tracer("test").start_span(SpanName.GATEWAY, start_time=1_000_000_000)
+    timings.annotate(span)
+    span.end(end_time=1_300_000_000)
+    provider.force_flush()
+
+    (finished,) = exporter.get_finished_spans()
+    assert gaps == [None, 0.02, 0.06, 0.01]
+    assert timings.num_tokens == 5
+    assert dict(finished.attributes or {}) == {Attr.TTFT_S: 0.15, Attr.ITL_MEAN_S: 0.0225, Attr.ITL_MAX_S: 0.06}
+    assert [(e.name, e.timestamp) for e in finished.events] == [(Event.FIRST_TOKEN, 1_150_000_000)]
+    provider.shutdown()
+
+
+def test_token_timings_before_any_token() -> None:
+    timings = TokenTimings(start_ns=5)
+    assert (timings.ttft_s, timings.mean_itl_s, timings.max_itl_s, timings.attributes()) == (None, None, None, {})
+
+
+def test_kv_transfer_attributes() -> None:
+    assert kv_transfer_attributes(blocks=4, num_bytes=3_000_000, chunks=3, seconds=0.5) == {
+        Attr.KV_BLOCKS: 4, Attr.KV_BYTES: 3_000_000, Attr.KV_CHUNKS: 3, Attr.KV_MB_PER_S: 6.0}
+
+
+def test_unwritable_span_file_drops_spans_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    not_a_dir = tmp_path / "run"
+    not_a_dir.write_text("a file where the run directory should be")
+    provider = setup_tracing("decode", not_a_dir, install_global=False)
+    with caplog.at_level(logging.WARNING, logger="services.common.tracing"):
+        provider.get_tracer("test").start_span("x").end()
+        provider.force_flush()
+    provider.shutdown()
+
+    assert any("cannot export spans to span file" in r.getMessage() and "1 span(s) dropped" in r.getMessage()
+               for r in caplog.records)
+
+
+class _Discard(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _seconds_for_spans(provider: TracerProvider, count: int = 1000) -> float:
+    """Best of five: the other tenants of a shared CPU only ever add time."""
+    tracer = provider.get_tracer("test")
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(count):
+            with tracer.start_as_current_span(SpanName.DECODE, attributes={Attr.REQUEST_ID: f"r{i}"}):
+                pass
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_dead_otlp_endpoint_slows_nothing_and_warns(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
+    # The baseline is the same pipeline exporting nowhere: what a dead endpoint may not add to.
+    baseline = setup_tracing("gateway", exporter=_Discard(), install_global=False)
+    broken = setup_tracing("gateway", install_global=False)
+
+    with caplog.at_level(logging.WARNING, logger="services.common.tracing"):
+        baseline_s = _seconds_for_spans(baseline)
+        broken_s = _seconds_for_spans(broken)
+        broken.force_flush()
+        start = time.perf_counter()
+        broken.shutdown()
+        shutdown_s = time.perf_counter() - start
+    baseline.shutdown()
+
+    assert broken_s < 2.5 * baseline_s, (broken_s, baseline_s)
+    assert shutdown_s < 2.0
+    assert any(f"cannot export spans to OTLP endpoint {endpoint}" in r.getMessage() for r in caplog.records)
