@@ -1,0 +1,134 @@
+"""Text <-> token ids for a model directory: encoding exactly as HF does, the chat template,
+and UTF-8-safe incremental detokenization for streaming. Never imports torch."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextCodec:
+    """One model's tokenizer (tokenizer.json + tokenizer_config.json) and its end-of-sequence ids.
+
+    Calls into the Rust tokenizer are serialised: HF fast tokenizers may reconfigure padding and
+    truncation on every call and fail with "Already borrowed" when threads share one.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> TextCodec:
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{model_dir / 'tokenizer.json'}: missing; the model directory needs a fast tokenizer"
+            )
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+        return cls(tokenizer, _eos_token_ids(model_dir, tokenizer))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return len(self._tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Exactly `tokenizer(text)["input_ids"]` of HF transformers (special tokens as configured)."""
+        with self._lock:
+            return list(self._tokenizer(text)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The model's chat template over `messages`, ending with the assistant's turn opened."""
+        if self._tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
+        with self._lock:
+            return list(
+                self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        with self._lock:
+            return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Invariant: the deltas returned by `push` and `flush`, concatenated, equal
+    `codec.decode(all ids)`. A delta never ends in a partial UTF-8 character: while the
+    decoded tail ends in U+FFFD (bytes of an unfinished character) the text is held back until
+    a later token completes it, or until `flush`.
+
+    Decoding works on a window: ids[prefix:read] is text already emitted, kept as context so
+    that decoders that depend on the preceding token (leading spaces) produce the same text as
+    a full decode; the delta is what decoding ids[prefix:] adds to it.
+    """
+
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
+        self._codec = codec
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._token_ids
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Adds tokens; returns the new complete text (possibly "")."""
+        self._token_ids.extend(token_ids)
+        delta = self._pending_text()
+        if delta.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._advance()
+        return delta
+
+    def flush(self) -> str:
+        """Returns whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        delta = self._pending_text()
+        self._advance()
+        return delta
+
+    def _pending_text(self) -> str:
+        emitted = self._decode(self._token_ids[self._prefix : self._read])
+        window = self._decode(self._token_ids[self._prefix :])
+        return window[len(emitted) :]
+
+    def _advance(self) -> None:
+        self._prefix, self._read = self._read, len(self._token_ids)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._codec.decode(token_ids, self._skip_special_tokens) if token_ids else ""
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerFast) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, then config.json, then the tokenizer, in that order."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            ids.extend(_as_ids(json.loads(path.read_text()).get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

@@ -1,0 +1,96 @@
+"""The `tandem` command: a thin dispatcher over subcommands.
+
+Each subcommand lives in its owning module, which exposes `add_arguments(parser)` and
+`main(args) -> int`; only the module of the command being run is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    module: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "up": Command("tandem.up", "start the whole system locally (Redis, scheduler, workers, gateway)"),
+    "gateway": Command("services.gateway.main", "run the gateway (gRPC and OpenAI-compatible HTTP)"),
+    "scheduler": Command("services.scheduler.main", "run the scheduler"),
+    "prefill": Command("services.prefill.main", "run a prefill worker"),
+    "decode": Command("services.decode.main", "run a decode worker"),
+    "colocated": Command("services.decode.colocated_main", "run a worker that both prefills and decodes"),
+    "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
+    "model": Command("tandem.model_cli", "manage models: pull the default model, show a model's sizes"),
+    "generate": Command("tandem.generate_cli", "generate text in-process with the engine"),
+    "trace": Command("tandem.trace_cli", "show a request's end-to-end trace"),
+    "deploy": Command("tandem.deploy_cli", "write a docker compose deployment for N prefill and M decode workers"),
+}
+
+
+class CommandUnavailable(RuntimeError):
+    """The module that implements a subcommand is not part of this installation."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Tandem: LLM serving with disaggregated prefill and decode over gRPC.",
+        epilog=_commands_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="one of the commands below; `tandem COMMAND --help` shows its options"
+    )
+    parsers = {name: subparsers.add_parser(name, description=command.help) for name, command in COMMANDS.items()}
+    return parser, parsers
+
+
+def _commands_help() -> str:
+    # Listed here rather than by argparse, which misaligns long subcommand names.
+    width = max(map(len, COMMANDS))
+    return "commands:\n" + "\n".join(f"  {name:<{width}}  {command.help}" for name, command in COMMANDS.items())
+
+
+def load_command(name: str) -> ModuleType:
+    """Imports the module behind `name`; a missing module (not a missing dependency) is reported."""
+    module_path = COMMANDS[name].module
+    try:
+        return importlib.import_module(module_path)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_path + ".").startswith(exc.name + "."):
+            raise
+        raise CommandUnavailable(
+            f"`tandem {name}` is not available in this installation (module {module_path} not found)"
+        ) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, parsers = build_parser()
+    name = next((arg for arg in argv if not arg.startswith("-")), None)
+    if name in COMMANDS:
+        try:
+            module = load_command(name)
+        except CommandUnavailable as exc:
+            parser.exit(2, f"tandem: error: {exc}\n")
+        module.add_arguments(parsers[name])
+        parsers[name].set_defaults(run=module.main)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
