@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.redis_fixture"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

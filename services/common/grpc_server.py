@@ -1,0 +1,266 @@
+"""grpc.aio server bootstrap shared by every service: health (NOT_SERVING until marked), reflection,
+auth and error-mapping interceptors, graceful shutdown on SIGTERM/SIGINT, and the helpers that
+pass the remaining deadline and the trace context on to downstream calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import signal
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import DeadlineExceeded, TandemError, grpc_status
+
+log = logging.getLogger(__name__)
+
+INTERNAL_TOKEN_KEY = "x-tandem-internal-token"
+API_KEY_HEADERS = ("authorization", "x-api-key")
+TRACE_METADATA_KEYS = ("traceparent", "tracestate", "baggage")
+MAX_MESSAGE_BYTES = 64 << 20
+# Probes and tooling must work without credentials.
+_OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
+
+Behavior = Callable[..., Any]
+
+
+def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]):
+    """A copy of handler whose behaviour is wrap(behaviour, response_streaming)."""
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+    )
+    for attr, factory, streaming in kinds:
+        behavior = getattr(handler, attr)
+        if behavior is not None:
+            return factory(wrap(behavior, streaming), handler.request_deserializer, handler.response_serializer)
+    raise ValueError(f"handler {handler!r} has no behaviour")
+
+
+def _service_of(method: str) -> str:
+    """'/tandem.v1.GenerateService/Generate' -> 'tandem.v1.GenerateService'."""
+    return method.lstrip("/").split("/", 1)[0]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls that present none of the accepted secrets with UNAUTHENTICATED.
+
+    A secret is read from the first of `headers` present in the call's metadata; `authorization`
+    must use the Bearer scheme. Health and reflection stay open.
+    """
+
+    def __init__(self, secrets: Collection[str], headers: Iterable[str] = API_KEY_HEADERS) -> None:
+        if not secrets:
+            raise ValueError("AuthInterceptor needs at least one secret; leave it out to disable auth")
+        self._secrets = tuple(s.encode() for s in secrets)
+        self._headers = tuple(headers)
+
+    def _presented(self, metadata: Iterable[tuple[str, Any]]) -> str | None:
+        values = {key: value for key, value in metadata or ()}
+        for header in self._headers:
+            value = values.get(header)
+            if isinstance(value, str):
+                return _bearer_token(value) if header == "authorization" else value
+        return None
+
+    def _accepts(self, presented: str | None) -> bool:
+        if presented is None:
+            return False
+        return any(hmac.compare_digest(presented.encode(), secret) for secret in self._secrets)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _service_of(handler_call_details.method) in _OPEN_SERVICES:
+            return handler
+        presented = self._presented(handler_call_details.invocation_metadata)
+        if self._accepts(presented):
+            return handler
+        reason = "missing credentials" if presented is None else "invalid credentials"
+        header = self._headers[0]
+        expected = "authorization: Bearer <key>" if header == "authorization" else f"{header}: <token>"
+        message = f"{reason}: send `{expected}` metadata with a configured key"
+        return _replace_behavior(handler, lambda _behavior, _streaming: _deny(message))
+
+
+def _bearer_token(value: str) -> str:
+    """'Bearer KEY' -> 'KEY' (scheme case-insensitive); anything else is not a credential."""
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _deny(message: str) -> Behavior:
+    async def deny(_request, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return deny
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, error: TandemError) -> None:
+    log.debug("request failed: %s: %s", type(error).__name__, error.message)
+    await context.abort(grpc_status(error), error.message, trailing_metadata=error.trailing_metadata())
+
+
+def _map_errors(behavior: Behavior, streaming: bool) -> Behavior:
+    """Wrap a servicer method so TandemErrors become their gRPC status (errors.STATUS_BY_ERROR)."""
+    if not streaming:
+
+        async def unary_response(request, context):
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            except TandemError as error:
+                await _abort_with(context, error)
+
+        return unary_response
+
+    async def stream_response(request, context):
+        try:
+            result = behavior(request, context)
+            if inspect.isawaitable(result):  # a servicer that writes with context.write()
+                await result
+                return
+            async for response in result:
+                yield response
+        except TandemError as error:
+            await _abort_with(context, error)
+
+    return stream_response
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain exceptions (services.common.errors) to status codes, for every handler kind."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _replace_behavior(handler, _map_errors)
+
+
+class GrpcServer:
+    """A grpc.aio server with health and reflection. Call order: add_service(...), start(),
+    mark_serving() once ready (the model loaded), then run_until_signal() or stop()."""
+
+    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+        self.server = server
+        self.port = port
+        self.health = health.aio.HealthServicer()
+        self._services: list[str] = []
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+
+    def add_service(self, name: str, register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
+        """Add a servicer, e.g. add_service("tandem.v1.GenerateService", add_GenerateServiceServicer_to_server, s)."""
+        register(servicer, self.server)
+        self._services.append(name)
+
+    @property
+    def service_names(self) -> tuple[str, ...]:
+        return tuple(self._services)
+
+    async def start(self) -> None:
+        """Start serving; health reports NOT_SERVING for the server and each service until mark_serving()."""
+        for name in ("", *self._services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        names = (*self._services, *_OPEN_SERVICES)
+        reflection.enable_server_reflection(names, self.server)
+        await self.server.start()
+
+    async def mark_serving(self) -> None:
+        for name in ("", *self._services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def mark_not_serving(self) -> None:
+        for name in ("", *self._services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING for good, refuse new calls, and give running ones `grace` seconds."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def run_until_signal(self, grace: float = 5.0) -> None:
+        """Serve until SIGTERM or SIGINT (or the server terminates), then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, stopping.set)
+        signalled = asyncio.ensure_future(stopping.wait())
+        # Never cancel this one: with grpcio 1.85 that also cancels the shutdown below.
+        terminated = asyncio.ensure_future(self.server.wait_for_termination())
+        try:
+            await asyncio.wait([signalled, terminated], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            signalled.cancel()
+        log.info("stopping gRPC server on port %d (grace %.1f s)", self.port, grace)
+        await self.stop(grace)
+        await terminated
+
+
+def create_server(
+    host: str,
+    port: int,
+    *,
+    api_keys: Collection[str] = (),
+    internal_token: str | None = None,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> GrpcServer:
+    """Create (not start) a server bound to host:port (port 0 picks a free one; see .port).
+
+    api_keys: the gateway's client keys (`authorization: Bearer KEY` or `x-api-key`); empty = no auth.
+    internal_token: the shared secret of internal services (`x-tandem-internal-token`); None = no auth.
+    Interceptor order: auth, then caller-supplied ones (tracing), then error mapping (innermost).
+    """
+    chain: list[grpc.aio.ServerInterceptor] = []
+    if api_keys:
+        chain.append(AuthInterceptor(api_keys))
+    if internal_token:
+        chain.append(AuthInterceptor([internal_token], headers=(INTERNAL_TOKEN_KEY,)))
+    chain += [*interceptors, ErrorInterceptor()]
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Without this a second server on a busy port binds silently and steals half the calls.
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=chain, options=options)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
+    return GrpcServer(server, bound)
+
+
+def remaining_timeout(context: grpc.aio.ServicerContext, default: float | None = None) -> float | None:
+    """Seconds left of the incoming call's deadline, to pass as `timeout=` downstream.
+
+    Returns `default` when the caller set no deadline; raises DeadlineExceeded when it already passed.
+    """
+    remaining = context.time_remaining()
+    if remaining is None:
+        return default
+    if remaining <= 0:
+        raise DeadlineExceeded("the request's deadline passed before it reached this service")
+    return remaining
+
+
+def propagated_metadata(
+    context: grpc.aio.ServicerContext | None, internal_token: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """Metadata for a downstream call: the incoming W3C trace context, plus the internal token."""
+    incoming = context.invocation_metadata() if context is not None else None
+    pairs = [(key, value) for key, value in incoming or () if key in TRACE_METADATA_KEYS]
+    if internal_token:
+        pairs.append((INTERNAL_TOKEN_KEY, internal_token))
+    return tuple(pairs)

@@ -1,0 +1,180 @@
+"""Store on Redis, shared by scheduler replicas. Keys, all under the namespace (default `tandem`):
+
+  {ns}:workers            set of registered worker ids (expired ones are pruned by list_workers)
+  {ns}:worker:{id}        hash {info, load} (JSON), expiring ttl after the last register/heartbeat
+  {ns}:blocks:{id}        set of block hashes the worker caches
+  {ns}:block:{hash}       set of worker ids caching the block (the prefix index)
+
+Every Redis or socket error is raised as StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from services.common.block_hash import BlockHash
+from services.common.store import (
+    StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, leading_matches,
+)
+
+# KEYS: worker hash. ARGV: load JSON, ttl ms. Renews only a worker that has not expired.
+_HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'load', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: worker blocks set, workers set. ARGV: worker id, block key prefix, "1" to also deregister.
+_DROP_BLOCKS = """
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  redis.call('SREM', ARGV[2] .. h, ARGV[1])
+end
+redis.call('DEL', KEYS[1])
+if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+# KEYS: worker hash, worker blocks set, workers set. ARGV: worker id, block key prefix.
+# Forgets a worker whose hash expired; atomic, so a worker re-registering meanwhile is kept.
+_PRUNE_EXPIRED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  redis.call('SREM', ARGV[2] .. h, ARGV[1])
+end
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+def _ttl_ms(ttl: float) -> int:
+    return max(1, round(ttl * 1000))
+
+
+def _to_json(value: WorkerInfo | WorkerLoad) -> str:
+    return json.dumps(dataclasses.asdict(value))
+
+
+def _record(fields: dict[str, str]) -> WorkerRecord:
+    info = json.loads(fields["info"])
+    info["role"] = WorkerRole(info["role"])
+    return WorkerRecord(WorkerInfo(**info), WorkerLoad(**json.loads(fields["load"])))
+
+
+class RedisStore:
+    """Store on a Redis server at `url` (redis://host:port/db). Connects lazily."""
+
+    name = "redis"
+
+    def __init__(self, url: str, *, namespace: str = "tandem", timeout: float = 1.0) -> None:
+        self.url = url
+        self._ns = namespace
+        self._redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)
+        self._prune_expired = self._redis.register_script(_PRUNE_EXPIRED)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self._ns, *parts))
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis at {self.url} unavailable: {exc}") from exc
+
+    async def register_worker(self, info: WorkerInfo, ttl: float, load: WorkerLoad = WorkerLoad()) -> None:
+        worker_key = self._key("worker", info.worker_id)
+        with self._guard():
+            await self._drop(info.worker_id, deregister=False)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(worker_key)
+                pipe.hset(worker_key, mapping={"info": _to_json(info), "load": _to_json(load)})
+                pipe.pexpire(worker_key, _ttl_ms(ttl))
+                pipe.sadd(self._key("workers"), info.worker_id)
+                await pipe.execute()
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl: float) -> bool:
+        with self._guard():
+            renewed = await self._heartbeat(keys=[self._key("worker", worker_id)], args=[_to_json(load), _ttl_ms(ttl)])
+            if not renewed:
+                await self._prune(worker_id)
+        return bool(renewed)
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        with self._guard():
+            worker_ids = sorted(await self._redis.smembers(self._key("workers")))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker_id in worker_ids:
+                    pipe.hgetall(self._key("worker", worker_id))
+                fields = await pipe.execute()
+            for worker_id, values in zip(worker_ids, fields):
+                if not values:
+                    await self._prune(worker_id)
+        return [_record(values) for values in fields if values]
+
+    async def remove_worker(self, worker_id: str) -> None:
+        with self._guard():
+            await self._redis.delete(self._key("worker", worker_id))
+            await self._drop(worker_id, deregister=True)
+
+    async def add_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        hashes = list(hashes)
+        if not hashes:
+            return
+        with self._guard():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.sadd(self._key("blocks", worker_id), *hashes)
+                for block_hash in hashes:
+                    pipe.sadd(self._key("block", block_hash), worker_id)
+                await pipe.execute()
+
+    async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        hashes = list(hashes)
+        if not hashes:
+            return
+        with self._guard():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.srem(self._key("blocks", worker_id), *hashes)
+                for block_hash in hashes:
+                    pipe.srem(self._key("block", block_hash), worker_id)
+                await pipe.execute()
+
+    async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        with self._guard():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for block_hash in hashes:
+                    pipe.smembers(self._key("block", block_hash))
+                holders = await pipe.execute()
+        return leading_matches(holders)
+
+    async def drop_worker_blocks(self, worker_id: str) -> None:
+        with self._guard():
+            await self._drop(worker_id, deregister=False)
+
+    async def _drop(self, worker_id: str, *, deregister: bool) -> None:
+        keys = [self._key("blocks", worker_id), self._key("workers")]
+        await self._drop_blocks(keys=keys, args=[worker_id, self._key("block", ""), "1" if deregister else "0"])
+
+    async def _prune(self, worker_id: str) -> None:
+        keys = [self._key("worker", worker_id), self._key("blocks", worker_id), self._key("workers")]
+        await self._prune_expired(keys=keys, args=[worker_id, self._key("block", "")])
+
+    async def ping(self) -> None:
+        with self._guard():
+            await self._redis.ping()
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,215 @@
+"""The scheduler's shared state: the worker registry (TTL heartbeats) and the prefix index
+(block hash -> workers caching it). `Store` is the interface, `EmbeddedStore` the in-process
+implementation; `open_store` picks it or the Redis one (redis_store.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from services.common.block_hash import BlockHash
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached; the scheduler keeps routing from its last known state."""
+
+
+class WorkerRole(StrEnum):
+    """What a worker does (mirrors tandem.v1.WorkerRole)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load at its last heartbeat (mirrors tandem.v1.WorkerLoad)."""
+
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    reserved_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker registered (mirrors tandem.v1.WorkerInfo)."""
+
+    worker_id: str
+    role: WorkerRole
+    address: str
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int = 0
+    kv_block_bytes: int = 0
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A live worker as the store knows it."""
+
+    info: WorkerInfo
+    load: WorkerLoad
+
+
+def leading_matches(holders: Iterable[set[str]]) -> dict[str, int]:
+    """Per worker, how many leading blocks of a chain it holds, given holders[i] = the workers holding block i.
+
+    A block counts only if every block before it is held too: a worker's cache can only reuse
+    an unbroken prefix.
+    """
+    matched: dict[str, int] = {}
+    candidates: set[str] | None = None
+    for i, workers in enumerate(holders):
+        candidates = set(workers) if candidates is None else candidates & workers
+        if not candidates:
+            break
+        for worker_id in candidates:
+            matched[worker_id] = i + 1
+    return matched
+
+
+class Store(Protocol):
+    """Worker registry and prefix index, shared by scheduler replicas.
+
+    Invariants: list_workers() returns only workers whose last register/heartbeat is younger
+    than the ttl it gave; a worker that re-registers starts with no blocks in the index;
+    match_prefix counts only unbroken leading runs of blocks. An expired worker's blocks leave
+    the index when list_workers() or heartbeat() finds it expired, so match_prefix may briefly
+    name a dead worker: intersect with list_workers(). Every method raises StoreUnavailable
+    when the backing store cannot be reached.
+    """
+
+    name: str
+    """"embedded" or "redis" (reported by the scheduler's stats)."""
+
+    async def register_worker(self, info: WorkerInfo, ttl: float, load: WorkerLoad = WorkerLoad()) -> None:
+        """Add or replace a worker (its previous prefix-index blocks are dropped); live for ttl seconds."""
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl: float) -> bool:
+        """Renew a live worker for ttl seconds with its new load; False if it is unknown or expired."""
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        """The live workers, ordered by worker id."""
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and its prefix-index blocks (no-op when unknown)."""
+
+    async def add_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        """Record that the worker caches these blocks."""
+
+    async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        """Record that the worker evicted these blocks."""
+
+    async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """For each worker caching hashes[0], the number of leading hashes it caches (workers with 0 left out)."""
+
+    async def drop_worker_blocks(self, worker_id: str) -> None:
+        """Forget every block of the worker (it restarted, reset its cache, or died)."""
+
+    async def ping(self) -> None:
+        """Return when the store answers; StoreUnavailable otherwise."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    record: WorkerRecord
+    expires_at: float
+
+
+class EmbeddedStore:
+    """In-process Store for a single scheduler. `clock` (monotonic seconds) is injectable for tests."""
+
+    name = "embedded"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._workers: dict[str, _Entry] = {}
+        self._holders: dict[BlockHash, set[str]] = {}
+        self._blocks: dict[str, set[BlockHash]] = {}
+
+    def _live(self, worker_id: str) -> _Entry | None:
+        """The worker's entry if it has not expired; an expired worker is forgotten with its blocks."""
+        entry = self._workers.get(worker_id)
+        if entry is not None and entry.expires_at <= self._clock():
+            del self._workers[worker_id]
+            self._forget_blocks(worker_id)
+            return None
+        return entry
+
+    async def register_worker(self, info: WorkerInfo, ttl: float, load: WorkerLoad = WorkerLoad()) -> None:
+        await self.drop_worker_blocks(info.worker_id)
+        self._workers[info.worker_id] = _Entry(WorkerRecord(info, load), self._clock() + ttl)
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl: float) -> bool:
+        entry = self._live(worker_id)
+        if entry is None:
+            return False
+        entry.record = WorkerRecord(entry.record.info, load)
+        entry.expires_at = self._clock() + ttl
+        return True
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        live = [self._live(worker_id) for worker_id in sorted(self._workers)]
+        return [entry.record for entry in live if entry is not None]
+
+    async def remove_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        await self.drop_worker_blocks(worker_id)
+
+    async def add_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        owned = self._blocks.setdefault(worker_id, set())
+        for block_hash in hashes:
+            owned.add(block_hash)
+            self._holders.setdefault(block_hash, set()).add(worker_id)
+
+    async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
+        owned = self._blocks.get(worker_id, set())
+        for block_hash in hashes:
+            owned.discard(block_hash)
+            self._discard_holder(block_hash, worker_id)
+
+    async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return leading_matches(self._holders.get(h, set()) for h in hashes)
+
+    async def drop_worker_blocks(self, worker_id: str) -> None:
+        self._forget_blocks(worker_id)
+
+    def _forget_blocks(self, worker_id: str) -> None:
+        for block_hash in self._blocks.pop(worker_id, set()):
+            self._discard_holder(block_hash, worker_id)
+
+    def _discard_holder(self, block_hash: BlockHash, worker_id: str) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is None:
+            return
+        holders.discard(worker_id)
+        if not holders:
+            del self._holders[block_hash]
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def open_store(redis_url: str | None, *, namespace: str = "tandem") -> Store:
+    """The Redis store when a URL is given (connects lazily), else an EmbeddedStore."""
+    if not redis_url:
+        return EmbeddedStore()
+    from services.common.redis_store import RedisStore
+
+    return RedisStore(redis_url, namespace=namespace)

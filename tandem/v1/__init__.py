@@ -1,0 +1,4 @@
+"""Generated gRPC/protobuf stubs of the tandem.v1 wire contracts (protos/tandem/v1).
+
+Do not edit the *_pb2* modules: change the .proto files and run `python scripts/gen_protos.py`.
+"""

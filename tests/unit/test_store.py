@@ -1,0 +1,198 @@
+"""The Store contract, run against EmbeddedStore (fake clock) and RedisStore (a real redis-server).
+
+TTL tests advance the fake clock for the embedded store and really wait for Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from services.common.block_hash import hash_chain
+from services.common.redis_store import RedisStore
+from services.common.store import (
+    EmbeddedStore, Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, open_store,
+)
+from tests.redis_fixture import RedisServer, free_port, private_redis, redis_server  # noqa: F401 (fixtures)
+
+BLOCK = 4
+H = hash_chain(list(range(5 * BLOCK)), BLOCK)  # five chained block hashes h0..h4
+
+
+def info(worker_id: str, role: WorkerRole = WorkerRole.PREFILL) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{50000 + len(worker_id)}",
+                      model="smol", num_blocks=128, block_size=BLOCK, max_model_len=2048,
+                      kv_block_bytes=4096, device="cpu")
+
+
+@dataclass
+class Harness:
+    store: Store
+    advance: Callable[[float], Awaitable[None]]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(params=["embedded", "redis"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    if request.param == "embedded":
+        clock = FakeClock()
+        yield Harness(EmbeddedStore(clock=clock), clock.advance)
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    store = RedisStore(server.url, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    try:
+        yield Harness(store, asyncio.sleep)
+    finally:
+        await store.close()
+
+
+async def test_register_and_list_exact_records(harness: Harness) -> None:
+    store = harness.store
+    load = WorkerLoad(free_blocks=100, cached_blocks=3, running=2, waiting=1, queued_prefill_tokens=40)
+    await store.register_worker(info("w2", WorkerRole.DECODE), ttl=30, load=load)
+    await store.register_worker(info("w1"), ttl=30)
+    assert await store.list_workers() == [
+        WorkerRecord(info("w1"), WorkerLoad()),
+        WorkerRecord(info("w2", WorkerRole.DECODE), load),
+    ]
+
+
+async def test_heartbeat_updates_load_and_unknown_worker_is_refused(harness: Harness) -> None:
+    store = harness.store
+    await store.register_worker(info("w1"), ttl=30)
+    new_load = WorkerLoad(free_blocks=7, running=5, reserved_blocks=2)
+    assert await store.heartbeat("w1", new_load, ttl=30) is True
+    assert await store.heartbeat("nobody", new_load, ttl=30) is False
+    assert await store.list_workers() == [WorkerRecord(info("w1"), new_load)]
+
+
+async def test_heartbeats_keep_a_worker_alive_and_a_lapsed_one_leaves(harness: Harness) -> None:
+    store = harness.store
+    await store.register_worker(info("w1"), ttl=0.8)
+    await store.add_blocks("w1", H[:2])
+    await harness.advance(0.5)
+    assert await store.heartbeat("w1", WorkerLoad(running=1), ttl=0.8) is True
+    await harness.advance(0.5)  # 1.0 s after registering, 0.5 s after the heartbeat
+    assert [r.info.worker_id for r in await store.list_workers()] == ["w1"]
+    await harness.advance(0.9)
+    assert await store.list_workers() == []
+    assert await store.heartbeat("w1", WorkerLoad(), ttl=0.8) is False
+    assert await store.match_prefix(H) == {}, "an expired worker's blocks leave the index"
+
+
+async def test_match_prefix_counts_unbroken_leading_runs(harness: Harness) -> None:
+    store = harness.store
+    await store.add_blocks("a", H[:3])
+    await store.add_blocks("b", [H[0], H[2]])  # lacks h1: only h0 is usable
+    await store.add_blocks("c", H[1:3])  # lacks h0: nothing is usable
+    assert await store.match_prefix(H) == {"a": 3, "b": 1}
+    assert await store.match_prefix(H[:1]) == {"a": 1, "b": 1}
+    assert await store.match_prefix(H[1:3]) == {"a": 2, "c": 2}
+    assert await store.match_prefix(H[3:]) == {}
+    assert await store.match_prefix([]) == {}
+    salted = hash_chain(list(range(5 * BLOCK)), BLOCK, salt="tenant-b")
+    assert await store.match_prefix(salted) == {}
+
+
+async def test_remove_blocks_breaks_the_run_at_the_evicted_block(harness: Harness) -> None:
+    store = harness.store
+    await store.add_blocks("a", H)
+    await store.add_blocks("b", H[:2])
+    await store.remove_blocks("a", [H[2]])
+    assert await store.match_prefix(H) == {"a": 2, "b": 2}
+    await store.remove_blocks("b", H[:1])
+    await store.remove_blocks("b", [])
+    assert await store.match_prefix(H) == {"a": 2}
+
+
+async def test_drop_worker_blocks_forgets_only_that_worker(harness: Harness) -> None:
+    store = harness.store
+    await store.register_worker(info("a"), ttl=30)
+    await store.add_blocks("a", H)
+    await store.add_blocks("b", H[:2])
+    await store.drop_worker_blocks("a")
+    assert await store.match_prefix(H) == {"b": 2}
+    assert [r.info.worker_id for r in await store.list_workers()] == ["a"], "the registration stays"
+    await store.add_blocks("a", H[:1])
+    assert await store.match_prefix(H) == {"a": 1, "b": 2}
+
+
+async def test_reregistering_starts_with_an_empty_index(harness: Harness) -> None:
+    store = harness.store
+    await store.register_worker(info("a"), ttl=30)
+    await store.add_blocks("a", H)
+    await store.register_worker(info("a"), ttl=30, load=WorkerLoad(free_blocks=1))
+    assert await store.match_prefix(H) == {}
+    assert await store.list_workers() == [WorkerRecord(info("a"), WorkerLoad(free_blocks=1))]
+
+
+async def test_remove_worker_forgets_registration_and_blocks(harness: Harness) -> None:
+    store = harness.store
+    await store.register_worker(info("a"), ttl=30)
+    await store.register_worker(info("b"), ttl=30)
+    await store.add_blocks("a", H)
+    await store.add_blocks("b", H[:1])
+    await store.remove_worker("a")
+    await store.remove_worker("never-registered")
+    assert [r.info.worker_id for r in await store.list_workers()] == ["b"]
+    assert await store.match_prefix(H) == {"b": 1}
+
+
+async def test_redis_replicas_share_state(redis_server: RedisServer) -> None:
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    first, second = RedisStore(redis_server.url, namespace=namespace), RedisStore(redis_server.url, namespace=namespace)
+    other = RedisStore(redis_server.url, namespace=namespace + "-other")
+    try:
+        await first.register_worker(info("a"), ttl=30)
+        await first.add_blocks("a", H[:2])
+        assert [r.info.worker_id for r in await second.list_workers()] == ["a"]
+        assert await second.match_prefix(H) == {"a": 2}
+        assert (await other.list_workers(), await other.match_prefix(H)) == ([], {})
+    finally:
+        for store in (first, second, other):
+            await store.close()
+
+
+async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: RedisServer) -> None:
+    store = RedisStore(private_redis.url, timeout=0.5)
+    try:
+        await store.register_worker(info("a"), ttl=30)
+        private_redis.stop()
+        calls = [
+            store.ping(), store.list_workers(), store.heartbeat("a", WorkerLoad(), 30),
+            store.register_worker(info("b"), 30), store.remove_worker("a"), store.add_blocks("a", H),
+            store.remove_blocks("a", H), store.match_prefix(H), store.drop_worker_blocks("a"),
+        ]
+        for call in calls:
+            with pytest.raises(StoreUnavailable, match=f"redis at {private_redis.url} unavailable"):
+                await call
+        private_redis.start()
+        await store.ping()
+        await store.register_worker(info("b"), ttl=30)
+        assert [r.info.worker_id for r in await store.list_workers()] == ["b"], "a restarted Redis starts empty"
+    finally:
+        await store.close()
+
+
+async def test_open_store_picks_the_implementation() -> None:
+    assert isinstance(open_store(None), EmbeddedStore)
+    assert isinstance(open_store(""), EmbeddedStore)
+    store = open_store(f"redis://127.0.0.1:{free_port()}/0")
+    assert isinstance(store, RedisStore) and store.name == "redis"
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    await store.close()
