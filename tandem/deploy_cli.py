@@ -1,0 +1,386 @@
+"""`tandem deploy compose`: the docker compose deployment for N prefill and M decode workers.
+
+infra/docker-compose.yml and infra/docker-compose.cpu.yml are this module's output for one worker
+of each role (tests/unit/test_infra.py checks), so the deployment has one source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REDIS_IMAGE = "redis:7.4.1-alpine"
+JAEGER_IMAGE = "jaegertracing/all-in-one:1.62.0"
+GPU_IMAGE = "${TANDEM_IMAGE:-tandem:gpu}"
+CPU_IMAGE = "${TANDEM_CPU_IMAGE:-tandem:cpu}"
+TANDEM_HOME = "/var/lib/tandem"  # the model-cache volume, mounted in every Tandem container
+SCHEDULER = "scheduler:50052"
+SCHEDULER_PORT, SCHEDULER_METRICS_PORT = 50052, 9102
+GATEWAY_PORT, GATEWAY_HTTP_PORT = 50051, 8000
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """A worker role: its `tandem` subcommand and the ports each of its containers listens on."""
+
+    name: str
+    port: int
+    metrics_port: int
+
+
+PREFILL = Role("prefill", 50061, 9103)
+DECODE = Role("decode", 50071, 9104)
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One worker container: the `index`-th of its role, holding host GPU `gpu`."""
+
+    role: Role
+    index: int
+    gpu: int
+
+    @property
+    def service(self) -> str:
+        return f"{self.role.name}-{self.index}"
+
+    def command(self, device: str) -> list[str]:
+        port = str(self.role.port)
+        return [
+            self.role.name, "--host", "0.0.0.0", "--port", port,
+            "--advertise", f"{self.service}:{port}", "--scheduler", SCHEDULER,
+            "--device", device, "--metrics-port", str(self.role.metrics_port),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """How many workers of each role; prefill workers take the first GPUs, decode the next."""
+
+    prefill: int = 1
+    decode: int = 1
+
+    def __post_init__(self) -> None:
+        for role, count in (("prefill", self.prefill), ("decode", self.decode)):
+            if count < 1:
+                raise ValueError(f"--{role} must be at least 1, got {count}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.prefill + self.decode
+
+    def workers(self) -> list[Worker]:
+        prefill = [Worker(PREFILL, i, i) for i in range(self.prefill)]
+        decode = [Worker(DECODE, i, self.prefill + i) for i in range(self.decode)]
+        return prefill + decode
+
+
+# --- YAML writing: anchors with chosen names, merge keys, flow lists, compose's !reset ----------
+
+
+class _Anchored(dict):
+    """A mapping written once under `&anchor` and as `*anchor` wherever it is used again."""
+
+    def __init__(self, anchor: str, items: dict[Any, Any]) -> None:
+        super().__init__(items)
+        self.anchor = anchor
+
+
+class _Flow(list):
+    """A list written on one line: [a, b, c]."""
+
+
+class _MergeKey:
+    """The YAML merge key `<<`: the mapping it names supplies the keys this one leaves out."""
+
+
+class _Reset:
+    """Compose's `!reset` tag: an override file removes the attribute from the base file."""
+
+
+MERGE = _MergeKey()
+RESET = _Reset()
+
+
+class _Dumper(yaml.SafeDumper):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.anchor_names: dict[yaml.Node, str] = {}
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)  # indent list items under their key
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return isinstance(data, (_MergeKey, _Reset)) or super().ignore_aliases(data)
+
+    def generate_anchor(self, node: yaml.Node) -> str:
+        if node not in self.anchor_names:
+            raise ValueError("a mapping or list is shared without an anchor name; use _Anchored")
+        return self.anchor_names[node]
+
+
+def _represent_anchored(dumper: _Dumper, data: _Anchored) -> yaml.Node:
+    node = dumper.represent_dict(data)
+    dumper.anchor_names[node] = data.anchor
+    return node
+
+
+_Dumper.add_representer(_Anchored, _represent_anchored)
+_Dumper.add_representer(_Flow, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, True))
+_Dumper.add_representer(_MergeKey, lambda d, _: d.represent_scalar("tag:yaml.org,2002:merge", "<<"))
+_Dumper.add_representer(_Reset, lambda d, _: d.represent_mapping("!reset", {}))
+
+
+def _dump(header: str, document: dict[str, Any]) -> str:
+    text = yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=100)
+    return header + "\n" + _space_out(text)
+
+
+def _space_out(text: str) -> str:
+    """A blank line before each top-level key and each service, for the reader's eye."""
+    lines: list[str] = []
+    in_services = False
+    for line in text.splitlines():
+        top_level = not line.startswith(" ")
+        if top_level:
+            in_services = line == "services:"
+        service = in_services and line.startswith("  ") and not line.startswith("   ")
+        if (top_level or service) and lines and lines[-1] != "services:":
+            lines.append("")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+# --- The compose file --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchors:
+    """The x- extensions that every Tandem service merges in."""
+
+    service: _Anchored
+    worker: _Anchored
+    environment: _Anchored
+    healthcheck: _Anchored
+
+
+def _anchors() -> _Anchors:
+    service = _Anchored("tandem", {
+        "image": GPU_IMAGE,
+        "build": {"context": "..", "dockerfile": "infra/docker/Dockerfile"},
+        "init": True,
+        "env_file": ".env",
+        "volumes": [f"model-cache:{TANDEM_HOME}"],
+        "networks": ["internal"],
+        "restart": "unless-stopped",
+        "stop_grace_period": "30s",
+    })  # fmt: skip
+    worker = _Anchored("tandem-worker", {
+        MERGE: service,
+        "depends_on": {
+            "model-init": {"condition": "service_completed_successfully"},
+            "scheduler": {"condition": "service_healthy"},
+        },
+    })  # fmt: skip
+    environment = _Anchored("tandem-environment", {
+        "TANDEM_HOME": TANDEM_HOME,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317",
+    })  # fmt: skip
+    # start_period covers loading the model onto the GPU; a service is healthy at its first pass.
+    healthcheck = _Anchored(
+        "tandem-healthcheck", {"interval": "5s", "timeout": "5s", "retries": 12, "start_period": "120s"}
+    )
+    return _Anchors(service, worker, environment, healthcheck)
+
+
+def _tandem_service(anchors: _Anchors, base: _Anchored, name: str, command: list[str], port: int) -> dict:
+    return {
+        MERGE: base,
+        "command": _Flow(command),
+        "environment": {MERGE: anchors.environment, "OTEL_SERVICE_NAME": f"tandem-{name}"},
+        "healthcheck": {MERGE: anchors.healthcheck, "test": _Flow(["CMD", "tandem", "health", f"127.0.0.1:{port}"])},
+    }
+
+
+def _gpu_reservation(gpu: int) -> dict:
+    device = {"driver": "nvidia", "device_ids": _Flow([str(gpu)]), "capabilities": _Flow(["gpu"])}
+    return {"resources": {"reservations": {"devices": [device]}}}
+
+
+def _redis() -> dict:
+    return {
+        "image": REDIS_IMAGE,
+        # Soft state only (worker registry, prefix index): workers re-announce it after a restart.
+        "command": _Flow(["redis-server", "--save", "", "--appendonly", "no"]),
+        "networks": ["internal"],
+        "restart": "unless-stopped",
+        "healthcheck": {"test": _Flow(["CMD", "redis-cli", "ping"]), "interval": "5s", "timeout": "3s", "retries": 12},
+    }
+
+
+def _jaeger() -> dict:
+    return {
+        "image": JAEGER_IMAGE,
+        "environment": {"COLLECTOR_OTLP_ENABLED": "true", "MEMORY_MAX_TRACES": "100000"},
+        "ports": ["127.0.0.1:16686:16686"],
+        "networks": ["internal", "public"],
+        "restart": "unless-stopped",
+        "healthcheck": {
+            "test": _Flow(["CMD", "wget", "-q", "--spider", "http://127.0.0.1:14269/"]),
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 12,
+        },
+    }
+
+
+def _model_init(anchors: _Anchors) -> dict:
+    return {
+        MERGE: anchors.service,
+        "command": _Flow(["model", "pull-default"]),
+        "environment": {MERGE: anchors.environment, "OTEL_SERVICE_NAME": "tandem-model-init"},
+        "restart": "no",
+        "healthcheck": {"disable": True},
+    }
+
+
+def _scheduler(anchors: _Anchors) -> dict:
+    command = ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT),
+               "--redis-url", "redis://redis:6379/0", "--metrics-port", str(SCHEDULER_METRICS_PORT)]  # fmt: skip
+    service = _tandem_service(anchors, anchors.service, "scheduler", command, SCHEDULER_PORT)
+    service["depends_on"] = {"redis": {"condition": "service_healthy"}}
+    return service
+
+
+def _worker(anchors: _Anchors, worker: Worker) -> dict:
+    service = _tandem_service(anchors, anchors.worker, worker.service, worker.command("cuda:0"), worker.role.port)
+    service["deploy"] = _gpu_reservation(worker.gpu)
+    return service
+
+
+def _gateway(anchors: _Anchors, workers: list[Worker]) -> dict:
+    command = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+               "--http-port", str(GATEWAY_HTTP_PORT), "--scheduler", SCHEDULER]  # fmt: skip
+    service = _tandem_service(anchors, anchors.service, "gateway", command, GATEWAY_PORT)
+    service["ports"] = [f"{GATEWAY_PORT}:{GATEWAY_PORT}", f"{GATEWAY_HTTP_PORT}:{GATEWAY_HTTP_PORT}"]
+    service["networks"] = ["internal", "public"]
+    service["depends_on"] = {
+        "model-init": {"condition": "service_completed_successfully"},
+        "scheduler": {"condition": "service_healthy"},
+        **{w.service: {"condition": "service_healthy"} for w in workers},
+    }
+    return service
+
+
+def compose_document(topology: Topology) -> dict[str, Any]:
+    """The compose file as data, anchors included (what `render_compose` writes)."""
+    anchors = _anchors()
+    workers = topology.workers()
+    services = {"redis": _redis(), "jaeger": _jaeger(), "model-init": _model_init(anchors),
+                "scheduler": _scheduler(anchors)}  # fmt: skip
+    services.update({w.service: _worker(anchors, w) for w in workers})
+    services["gateway"] = _gateway(anchors, workers)
+    return {
+        "name": "tandem",
+        "x-tandem": anchors.service,
+        "x-tandem-worker": anchors.worker,
+        "x-tandem-environment": anchors.environment,
+        "x-tandem-healthcheck": anchors.healthcheck,
+        "services": services,
+        "networks": {"internal": {"internal": True}, "public": {}},
+        "volumes": {"model-cache": {}},
+    }
+
+
+def cpu_override_document(topology: Topology) -> dict[str, Any]:
+    """The override that runs the same services on the CPU image, without GPU reservations."""
+    cpu = _Anchored("tandem-cpu", {
+        "image": CPU_IMAGE,
+        "build": {"context": "..", "dockerfile": "infra/docker/Dockerfile.cpu"},
+    })  # fmt: skip
+    services: dict[str, Any] = {"model-init": {MERGE: cpu}, "scheduler": {MERGE: cpu}}
+    for worker in topology.workers():
+        services[worker.service] = {MERGE: cpu, "command": _Flow(worker.command("cpu")), "deploy": RESET}
+    services["gateway"] = {MERGE: cpu}
+    return {"x-tandem-cpu": cpu, "services": services}
+
+
+def _command_line(topology: Topology, cpu: bool) -> str:
+    flags = " --cpu" if cpu else ""
+    return f"tandem deploy compose --prefill {topology.prefill} --decode {topology.decode}{flags}"
+
+
+def render_compose(topology: Topology) -> str:
+    workers = "worker" if topology.num_gpus == 2 else "workers"
+    header = f"""\
+# Tandem with docker compose: redis, jaeger, the scheduler, the gateway, {topology.prefill} prefill and
+# {topology.decode} decode {workers}, one GPU each ({topology.num_gpus} GPUs). See infra/README.md.
+#
+#   cp infra/.env.example infra/.env     # then set the secrets in infra/.env
+#   docker compose -f infra/docker-compose.yml up -d
+#
+# Generated by `{_command_line(topology, cpu=False)}`: change tandem/deploy_cli.py and
+# regenerate instead of editing by hand (tests/unit/test_infra.py checks the two agree).
+#
+# GPUs: each worker reserves one host GPU by device_ids. The NVIDIA runtime shows a container only
+# the GPUs it reserved, numbered from 0, so inside every worker its own GPU is cuda:0 and every
+# worker passes --device cuda:0 whichever host GPU it holds.
+"""
+    return _dump(header, compose_document(topology))
+
+
+def render_cpu_override(topology: Topology) -> str:
+    header = f"""\
+# Tandem without GPUs (laptops, CI): the same services on the CPU image. Layer it on the GPU file:
+#
+#   docker compose -f infra/docker-compose.yml -f infra/docker-compose.cpu.yml up -d
+#
+# Generated by `{_command_line(topology, cpu=True)}`. `!reset` drops the GPU
+# reservations (docker compose 2.24.4 or later).
+"""
+    return _dump(header, cpu_override_document(topology))
+
+
+# --- The command -------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    targets = parser.add_subparsers(dest="deploy_target", metavar="TARGET", required=True)
+    compose = targets.add_parser(
+        "compose",
+        help="write a docker compose file for N prefill and M decode workers, one GPU each",
+        description="Write a docker compose file for N prefill and M decode workers, one GPU each "
+        "(prefill workers take GPUs 0..N-1, decode workers the next M).",
+    )
+    compose.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="prefill workers (default 1)")
+    compose.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="decode workers (default 1)")
+    compose.add_argument(
+        "--cpu",
+        action="store_true",
+        help="write the CPU override for this topology instead (use it as a second -f)",
+    )
+    compose.add_argument("--output", "-o", type=Path, metavar="FILE", help="file to write (default: standard output)")
+
+
+def main(args: argparse.Namespace) -> int:
+    topology = Topology(args.prefill, args.decode)
+    text = render_cpu_override(topology) if args.cpu else render_compose(topology)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    args.output.write_text(text, encoding="utf-8")
+    uses = "no GPU" if args.cpu else f"GPUs 0-{topology.num_gpus - 1}"
+    print(f"wrote {args.output} ({topology.prefill} prefill + {topology.decode} decode, {uses})", file=sys.stderr)
+    return 0
