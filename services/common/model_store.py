@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.model_config import ModelConfig
 from tandem.paths import tandem_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,6 +46,12 @@ class ModelStoreError(RuntimeError):
 def models_dir() -> Path:
     """$TANDEM_HOME/models: one directory per model."""
     return tandem_home() / "models"
+
+
+def model_name(model_dir: str | Path) -> str:
+    """The name a model directory is served under (GenerateRequest.model, WorkerInfo.model): its
+    directory's name, e.g. "SmolLM2-135M-Instruct". Symlinks are not followed, "." is resolved."""
+    return Path(os.path.abspath(model_dir)).name
 
 
 def default_model_dir() -> Path:
@@ -208,8 +215,6 @@ class ModelInfo:
 def model_info(model_dir: str | Path, memory_bytes: int | None = None) -> ModelInfo:
     """Reads a model's sizes without loading a tensor; `kv_tokens` is how many tokens of KV
     (in the model's dtype) fit in `memory_bytes`."""
-    from services.runtime.model_config import ModelConfig
-
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():

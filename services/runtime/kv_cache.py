@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from services.runtime.model_config import ModelConfig
+from services.common.model_config import ModelConfig
 
 
 class PagedKVCache:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.runtime.errors import ModelLoadError
+from services.common.model_config import ModelLoadError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 INDEX_FILE = "model.safetensors.index.json"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from services.runtime.attention import AttentionBackend, BatchMetadata
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.loader import WeightReader
-from services.runtime.model_config import ModelConfig
+from services.common.model_config import ModelConfig
 
 
 @dataclass(slots=True)

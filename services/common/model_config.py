@@ -1,4 +1,4 @@
-"""The model's shape, read from an HF `config.json`.
+"""The model's shape, read from an HF `config.json` (torch-free: the gateway reads it too).
 
 Owns the one place where the supported architectures and their config quirks are named:
 Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.runtime.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelLoadError(ValueError):
+    """The model directory cannot be loaded as it is; the message names the file and what to change."""
 
 
 @dataclass(frozen=True, slots=True)
