@@ -1,0 +1,133 @@
+"""The SDK's exceptions: one class per gRPC status code a Tandem server reports.
+
+`error_from_rpc` turns a failed call (sync or grpc.aio) into its class; every error carries the
+server's message and the exact status code. Catch `TandemError` to catch them all.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import grpc
+import grpc.aio
+
+RETRY_AFTER_KEY = "retry-after"
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+class TandemError(Exception):
+    """A Tandem call failed. `message` is the server's text; `code` the gRPC status code.
+
+    `request_id` is set when the server had already named the request (an error mid-stream).
+    """
+
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code if code is not None else self.default_code
+        self.request_id: str | None = None
+
+
+class InvalidRequest(TandemError):
+    """A request field is invalid (INVALID_ARGUMENT); `field` names it when the message starts with it."""
+
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message, code)
+        match = _FIELD_PREFIX.match(message)
+        self.field: str | None = match.group(1) if match else None
+
+
+class Unauthenticated(TandemError):
+    """The API key is missing or wrong (UNAUTHENTICATED)."""
+
+    default_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(TandemError):
+    """The API key may not do this (PERMISSION_DENIED)."""
+
+    default_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(TandemError):
+    """The named model (or request) does not exist (NOT_FOUND)."""
+
+    default_code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(TandemError):
+    """The deployment is not in a state that allows the call (FAILED_PRECONDITION)."""
+
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Overloaded(TandemError):
+    """No capacity now (RESOURCE_EXHAUSTED); `retry_after` is the server's hint in seconds, if it sent one."""
+
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, code)
+        self.retry_after = retry_after
+
+
+class Unavailable(TandemError):
+    """The server, or a worker the request needed, is unreachable or was lost (UNAVAILABLE)."""
+
+    default_code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(TandemError):
+    """The call's deadline passed before it completed (DEADLINE_EXCEEDED)."""
+
+    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(TandemError):
+    """The call was cancelled (CANCELLED)."""
+
+    default_code = grpc.StatusCode.CANCELLED
+
+
+class Internal(TandemError):
+    """The server failed in a way that is not the caller's fault (INTERNAL)."""
+
+    default_code = grpc.StatusCode.INTERNAL
+
+
+ERROR_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
+    cls.default_code: cls
+    for cls in (InvalidRequest, Unauthenticated, PermissionDenied, NotFound, FailedPrecondition, Overloaded,
+                Unavailable, DeadlineExceeded, Cancelled, Internal)
+}
+
+
+def error_from_status(
+    code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+) -> TandemError:
+    """The exception for a status; codes without a class of their own give a plain TandemError."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(message, code, retry_after=_retry_after(trailing_metadata))
+    return ERROR_BY_CODE.get(code, TandemError)(message, code)
+
+
+def error_from_rpc(error: grpc.RpcError) -> TandemError:
+    """The exception for a failed call of either grpc API (both expose code, details, trailing_metadata)."""
+    if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
+        return TandemError(str(error))
+    return error_from_status(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
+
+
+def _retry_after(metadata: tuple[tuple[str, str | bytes], ...]) -> float | None:
+    value = dict(metadata).get(RETRY_AFTER_KEY)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
