@@ -21,11 +21,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: setup
-	@if [ -f tandem/up.py ]; then \
-		$(BIN)/tandem up; \
-	else \
-		$(BIN)/tandem generate --chat --greedy --prompt "$(PROMPT)"; \
-	fi
+	$(BIN)/tandem up
 
 test: setup
 	@command -v redis-server >/dev/null || { \

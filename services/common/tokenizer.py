@@ -41,6 +41,11 @@ class TextCodec:
         """Number of token ids the tokenizer knows, added tokens included."""
         return len(self._tokenizer)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether apply_chat_template can work (tokenizer_config.json has a chat_template)."""
+        return self._tokenizer.chat_template is not None
+
     def encode(self, text: str) -> list[int]:
         """Exactly `tokenizer(text)["input_ids"]` of HF transformers (special tokens as configured)."""
         with self._lock:

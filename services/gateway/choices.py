@@ -1,0 +1,91 @@
+"""`n` independent samples of one prompt (the OpenAI `n`), as n generations of the shared pipeline
+whose chunks are merged in arrival order, each tagged with its choice index.
+
+KV sharing: choice 0 is submitted alone and the others only once its first token arrived. By then
+the prompt has been prefilled and its full blocks sit in the prefill worker's prefix cache, so
+the other choices reuse them instead of computing the prompt n times. (Only full blocks are
+cached, and a prefill worker that evicts them under pressure, or routing to another prefill
+worker, makes the sharing partial; the results stay exact either way.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+from services.gateway.generation import Generation, GenerationPipeline
+from services.gateway.output import Chunk
+from services.gateway.request import GenerationRequest
+
+SEED_MODULUS = 1 << 64  # seeds are uint64 on the wire
+
+
+class ChoiceSet:
+    """The generations of one request's n choices. Call order: `start()` (submits choice 0 and
+    waits for its first chunk, so failures before any output raise there), then `chunks()`, and
+    `close()` in every case: it cancels whatever still runs upstream.
+
+    Choice i > 0 has request id "<id of choice 0>-i" and, when a seed is given, seed + i, so
+    choice 0 draws exactly what the same request with n = 1 draws.
+    """
+
+    def __init__(self, pipeline: GenerationPipeline, request: GenerationRequest, n: int, timeout: float) -> None:
+        self._pipeline = pipeline
+        self._request = request
+        self._n = n
+        self._timeout = timeout
+        self._generations: list[Generation] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+        self._first: Chunk | None = None
+        self.trace_id = ""  # of choice 0, once submitted
+
+    async def start(self) -> None:
+        """Validate and submit choice 0, wait for its first chunk, then submit the others."""
+        first = await self._pipeline.start(self._request, self._timeout)
+        self._generations.append(first)
+        self.trace_id = first.trace_id
+        first_chunks = aiter(first)
+        self._first = await anext(first_chunks)
+        self._tasks.append(asyncio.create_task(self._pump(0, first_chunks)))
+        for index in range(1, self._n):
+            generation = await self._pipeline.start(self._sibling(index, first.request_id), self._timeout)
+            self._generations.append(generation)
+            self._tasks.append(asyncio.create_task(self._pump(index, aiter(generation))))
+
+    async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """(choice index, chunk) until every choice finished; the first failure raises."""
+        if self._first is None:
+            raise RuntimeError("ChoiceSet.chunks() called before start()")
+        yield 0, self._first
+        running = self._n
+        while running:
+            index, item = await self._queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+
+    def close(self) -> None:
+        """Stop every choice; upstream calls still running are cancelled. Idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        for generation in self._generations:
+            generation.close()
+
+    def _sibling(self, index: int, first_id: str) -> GenerationRequest:
+        sampling = self._request.sampling
+        seed = None if sampling.seed is None else (sampling.seed + index) % SEED_MODULUS
+        return dataclasses.replace(self._request, request_id=f"{first_id}-{index}",
+                                   sampling=dataclasses.replace(sampling, seed=seed))
+
+    async def _pump(self, index: int, chunks: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in chunks:
+                self._queue.put_nowait((index, chunk))
+            self._queue.put_nowait((index, None))
+        except Exception as error:  # handed to the reader of chunks(), which raises it
+            self._queue.put_nowait((index, error))

@@ -1,0 +1,198 @@
+"""The gateway's request pipeline, shared by the gRPC door and the HTTP bridge: validate, tokenize,
+submit to the scheduler with the deadline and trace context, relay the token events as chunks.
+
+A `Generation` is one request in flight. Leaving its iteration early, or `close()`, cancels the
+Submit call, which aborts the request on whichever worker holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from jinja2 import TemplateError
+from opentelemetry import trace
+
+from services.common.errors import InvalidRequest, TandemError, Unavailable, error_from_rpc, error_from_status
+from services.common.grpc_server import INTERNAL_TOKEN_KEY
+from services.common.tokenizer import TextCodec
+from services.common.tracing import Attr, SpanName, TokenTimings, inject_metadata
+from services.common.wire import sampling_to_proto
+from services.gateway.output import Chunk, OutputAssembler, OutputOptions
+from services.gateway.request import GenerationRequest, ServedModel
+from services.gateway.validation import check_prompt_length, validate_request
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def new_request_id() -> str:
+    return f"req-{secrets.token_hex(12)}"
+
+
+class Generation:
+    """One request in flight: its ids at once, its chunks by iterating (once).
+
+    The last chunk has a finish reason. Failures raise TandemError with the upstream status kept
+    (RESOURCE_EXHAUSTED with its retry hint, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        trace_id: str,
+        prompt_token_ids: list[int],
+        submit: Callable[[], grpc.aio.UnaryStreamCall],
+        assembler: OutputAssembler,
+        span: trace.Span,
+    ) -> None:
+        self.request_id = request_id
+        self.trace_id = trace_id
+        self.prompt_token_ids = prompt_token_ids
+        self._submit = submit
+        self._assembler = assembler
+        self._span = span
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._timings = TokenTimings()
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        try:
+            self._call = self._submit()
+            async for event in self._call:
+                if self._assembler.finished:
+                    continue  # read the stream to its end: the request completed upstream
+                chunk = self._assembler.on_event(_checked(event))
+                if chunk is None:
+                    continue
+                self._record(chunk)
+                yield chunk
+                if chunk.stop_string is not None:
+                    return  # cancels the request upstream at once
+            if not self._assembler.finished:
+                raise Unavailable(f"the scheduler ended request {self.request_id}'s stream before it finished")
+        except grpc.aio.AioRpcError as exc:
+            raise self._failed(error_from_rpc(exc)) from None
+        except TandemError as exc:
+            raise self._failed(exc) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the upstream request (a no-op once it finished) and end the span; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+        self._timings.annotate(self._span)
+        self._span.end()
+
+    def _record(self, chunk: Chunk) -> None:
+        if chunk.token_ids:
+            self._timings.record(len(chunk.token_ids))
+        if chunk.finish_reason is not None and chunk.usage is not None:
+            self._span.set_attributes({
+                Attr.GEN_AI_RESPONSE_FINISH_REASONS: [chunk.finish_reason],
+                Attr.GEN_AI_USAGE_INPUT_TOKENS: chunk.usage.prompt_tokens,
+                Attr.GEN_AI_USAGE_OUTPUT_TOKENS: chunk.usage.completion_tokens,
+            })
+
+    def _failed(self, error: TandemError) -> TandemError:
+        self._span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error.message}")
+        return error
+
+
+def _checked(event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+    """The event, unless it reports a failure in-band: then that failure as its TandemError."""
+    if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        status = _STATUS_BY_NUMBER.get(event.error.code, grpc.StatusCode.INTERNAL)
+        raise error_from_status(status, event.error.message or "the request failed upstream")
+    return event
+
+
+class GenerationPipeline:
+    """Starts generations for one served model against one scheduler.
+
+    `start` does all validation and tokenization before anything goes upstream; the Submit call
+    begins when the returned Generation is first iterated.
+    """
+
+    def __init__(
+        self,
+        codec: TextCodec,
+        model: ServedModel,
+        scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
+        internal_token: str | None = None,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self.codec = codec
+        self.model = model
+        self._scheduler = scheduler
+        self._internal_token = internal_token
+        self._tracer = tracer or trace.get_tracer(__name__)
+
+    async def start(self, request: GenerationRequest, timeout: float) -> Generation:
+        """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
+        field = validate_request(request, self.model)
+        prompt_token_ids = await asyncio.to_thread(self._tokenize, request, field)
+        check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, self.model)
+        request_id = request.request_id or new_request_id()
+        span = self._tracer.start_span(SpanName.GATEWAY, kind=trace.SpanKind.SERVER,
+                                       attributes=self._span_attributes(request, request_id))
+        trace_id = format(span.get_span_context().trace_id, "032x")
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=request_id,
+            model=self.model.name,
+            token_ids=prompt_token_ids,
+            sampling=sampling_to_proto(request.sampling),
+            cache_salt=request.cache_salt,
+            deadline_unix_ms=int((time.time() + timeout) * 1000),
+            trace_id=trace_id,
+        )
+        metadata = self._metadata(span)
+        options = OutputOptions(request.sampling, request.stop, request.include_stop_str_in_output,
+                                request.skip_special_tokens)
+        return Generation(
+            request_id, trace_id, prompt_token_ids,
+            lambda: self._scheduler.Submit(submit, timeout=timeout, metadata=metadata),
+            OutputAssembler(self.codec, options, len(prompt_token_ids)),
+            span,
+        )
+
+    def _tokenize(self, request: GenerationRequest, field: str) -> list[int]:
+        if field == "prompt":
+            return self.codec.encode(request.prompt or "")
+        if field == "messages":
+            try:
+                return self.codec.apply_chat_template(request.messages or [])
+            except TemplateError as exc:
+                raise InvalidRequest("messages", f"the model's chat template rejects them: {exc}") from None
+        return list(request.token_ids or [])
+
+    def _metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
+        pairs = inject_metadata(trace.set_span_in_context(span))
+        if self._internal_token:
+            pairs.append((INTERNAL_TOKEN_KEY, self._internal_token))
+        return tuple(pairs)
+
+    def _span_attributes(self, request: GenerationRequest, request_id: str) -> dict[str, str | int | float]:
+        sampling = request.sampling
+        attributes: dict[str, str | int | float] = {
+            Attr.REQUEST_ID: request_id,
+            Attr.GEN_AI_OPERATION_NAME: "chat" if request.messages is not None else "text_completion",
+            Attr.GEN_AI_REQUEST_MODEL: self.model.name,
+            Attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,
+            Attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+            Attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,
+            Attr.GEN_AI_REQUEST_TOP_K: sampling.top_k,
+        }
+        if sampling.seed is not None:
+            attributes[Attr.GEN_AI_REQUEST_SEED] = sampling.seed
+        return attributes

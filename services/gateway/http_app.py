@@ -1,0 +1,439 @@
+"""The gateway's OpenAI-compatible REST/SSE bridge: FastAPI routes over the same GenerationPipeline
+as the gRPC door, served by uvicorn in the gateway's process.
+
+A generation request goes: API key, body size, JSON, HTTP limits (all before any work), then the
+pipeline. The response starts only once the first token arrived, so every failure before it is
+a plain HTTP error; a failure after it is one error event in the stream, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.common.config import add_option, from_args, parse_size
+from services.common.errors import InvalidRequest, TandemError, Unauthenticated, http_status
+from services.common.grpc_server import API_KEY_HEADERS
+from services.common.metrics import render_metrics
+from services.gateway import sse
+from services.gateway.choices import ChoiceSet
+from services.gateway.generation import GenerationPipeline, new_request_id
+from services.gateway.openai_schema import (
+    OWNED_BY, ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
+    body_error, error_body,
+)
+from services.gateway.request import GenerationRequest
+from services.gateway.servicer import DEFAULT_MAX_TOKENS
+from services.gateway.validation import REQUEST_ID_PATTERN
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+TRACE_ID_HEADER = "x-trace-id"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+
+T = TypeVar("T")
+Body = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The HTTP bridge's settings; the limits are checked before any work is done for a request."""
+
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    request_timeout: float = 600.0  # seconds a generation may take, queueing included
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    max_prompt_chars: int = 200_000  # text prompt, or all message contents together
+    max_stop_strings: int = 16
+    max_n: int = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP bridge's limit flags (the gateway's own give --api-keys, --request-timeout, --http-port)."""
+    defaults = HttpConfig()
+    add_option(parser, "--max-body-bytes", type=parse_size, default=defaults.max_body_bytes,
+               help="largest HTTP request body, e.g. 1MiB (larger: 413)")
+    add_option(parser, "--max-prompt-chars", type=int, default=defaults.max_prompt_chars,
+               help="longest text prompt (or all chat message contents) in characters")
+    add_option(parser, "--max-stop-strings", type=int, default=defaults.max_stop_strings,
+               help="most stop strings one request may set")
+    add_option(parser, "--max-n", type=int, default=defaults.max_n, help="most choices (n) one request may ask")
+
+
+def config_from_args(args: argparse.Namespace) -> HttpConfig:
+    """HttpConfig from the parsed flags whose names match its fields (api_keys, the limits)."""
+    return from_args(HttpConfig, args)
+
+
+def salt_for_key(api_key: str | None) -> str:
+    """The default cache salt of a tenant: derived from its API key, so tenants never share
+    prefix-cache blocks unless they send the same explicit cache_salt. No key: the shared cache."""
+    if not api_key:
+        return ""
+    return hashlib.blake2b(api_key.encode(), digest_size=16, person=b"tandem-salt").hexdigest()
+
+
+class ApiError(Exception):
+    """An HTTP-level failure that has no domain error (body too large, malformed JSON)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+def error_response(error: TandemError | ApiError) -> JSONResponse:
+    """The OpenAI error JSON with the status of errors.STATUS_BY_ERROR (Retry-After on 429)."""
+    status, payload = error_payload(error)
+    headers = dict(error.trailing_metadata()) if isinstance(error, TandemError) else {}
+    return JSONResponse(payload, status_code=status, headers=headers)
+
+
+def error_payload(error: TandemError | ApiError) -> tuple[int, dict[str, Any]]:
+    if isinstance(error, ApiError):
+        return error.status, error_body(error.status, error.message, error.param, error.code)
+    status = http_status(error)
+    param = error.field if isinstance(error, InvalidRequest) else None
+    return status, error_body(status, error.message, param, _snake_case(type(error).__name__))
+
+
+def _snake_case(name: str) -> str:
+    """'DeadlineExceeded' -> 'deadline_exceeded'."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+class RequestIds:
+    """ASGI middleware: every request gets an id (the caller's `x-request-id` when it is a valid
+    request id, else a new one) in `request.state.request_id`; every response carries it, and
+    `x-trace-id` once a handler has set `request.state.trace_id`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        state["request_id"] = incoming if REQUEST_ID_PATTERN.fullmatch(incoming) else new_request_id()
+
+        async def send_with_ids(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ids = [(REQUEST_ID_HEADER, state["request_id"]), (TRACE_ID_HEADER, state.get("trace_id"))]
+                extra = [(name.encode(), value.encode()) for name, value in ids if value]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_ids)
+
+
+class _SseResponse(StreamingResponse):
+    """A stream that runs `on_close` however it ends: finished, failed, or the client gone
+    (Starlette cancels the body then, possibly before it was ever started)."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type=sse.MEDIA_TYPE, headers={"cache-control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class HttpBridge:
+    """The routes; one instance per app, holding the shared pipeline."""
+
+    def __init__(self, pipeline: GenerationPipeline, config: HttpConfig, registry: CollectorRegistry) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.registry = registry
+        self.serving = False  # /health: 503 until the gateway marks it serving, and again while draining
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest, "cmpl", CompletionShaper)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest, "chatcmpl", ChatShaper)
+
+    async def models(self, request: Request) -> Response:
+        self._authenticate(request)
+        model = self.pipeline.model
+        card = {"id": model.name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
+                "root": model.name, "max_model_len": model.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        status = "serving" if self.serving else "not_serving"
+        return JSONResponse({"status": status}, status_code=200 if self.serving else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = render_metrics(self.registry)
+        return Response(body, media_type=content_type)
+
+    async def _generate(self, request: Request, body_type: type[Body], id_prefix: str,
+                        shaper_type: type[ResponseShaper]) -> Response:
+        body, generation_request = await self._accept(request, body_type)
+        shaper = shaper_type(f"{id_prefix}-{generation_request.request_id}", int(time.time()),
+                             self.pipeline.model.name, self._token_text,
+                             with_logprobs=generation_request.sampling.logprobs is not None)
+        choices = ChoiceSet(self.pipeline, generation_request, body.num_choices, self.config.request_timeout)
+        streamed = False
+        try:
+            with _named_as_sent(body):
+                await _unless_disconnected(request, choices.start())
+            if body.stream:
+                streamed = True  # the response closes the choices when the stream ends
+                return _SseResponse(_events(shaper, choices, body.num_choices, body.include_usage), choices.close)
+            collected = await _unless_disconnected(request, _collect(choices, body.num_choices))
+            return JSONResponse(shaper.response(collected))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            request.state.trace_id = choices.trace_id
+            if not streamed:
+                choices.close()
+
+    async def _accept(self, request: Request, body_type: type[Body]) -> tuple[Body, GenerationRequest]:
+        """Everything checked before any work: key, body size, JSON, limits; then the pipeline's request."""
+        api_key = self._authenticate(request)
+        body = _parse(body_type, await _read_body(request, self.config.max_body_bytes))
+        self._check_limits(body)
+        with _named_as_sent(body):
+            return body, body.generation_request(request.state.request_id, salt_for_key(api_key), DEFAULT_MAX_TOKENS)
+
+    def _authenticate(self, request: Request) -> str | None:
+        """The caller's API key (None when the gateway has none configured); 401 otherwise."""
+        if not self.config.api_keys:
+            return None
+        presented = _presented_key(request)
+        if presented is None:
+            raise Unauthenticated("missing API key: send `Authorization: Bearer <key>`")
+        if not any(hmac.compare_digest(presented.encode(), key.encode()) for key in self.config.api_keys):
+            raise Unauthenticated("invalid API key: send `Authorization: Bearer <key>` with a configured key")
+        return presented
+
+    def _check_limits(self, body: Body) -> None:
+        config = self.config
+        if not 1 <= body.num_choices <= config.max_n:
+            raise InvalidRequest("n", f"must be in [1, {config.max_n}], got {body.num_choices}")
+        if len(body.stop_strings) > config.max_stop_strings:
+            raise InvalidRequest("stop", f"at most {config.max_stop_strings} stop strings are allowed, "
+                                         f"got {len(body.stop_strings)}")
+        field, length = _prompt_length(body)
+        if length > config.max_prompt_chars:
+            raise InvalidRequest(field, f"is {length} characters long; this server accepts at most "
+                                        f"{config.max_prompt_chars}")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.pipeline.codec.decode([token_id], skip_special_tokens=False)
+
+
+def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,
+                    registry: CollectorRegistry | None = None) -> FastAPI:
+    """The HTTP app over `pipeline`. /health answers 503 until `set_serving(app, True)`; /metrics
+    renders `registry` (the gateway's ServiceMetrics registry)."""
+    bridge = HttpBridge(pipeline, config, registry if registry is not None else CollectorRegistry())
+    app = FastAPI(title="Tandem", summary="OpenAI-compatible API of a Tandem gateway", docs_url=None,
+                  redoc_url=None)
+    app.state.bridge = bridge
+    app.add_middleware(RequestIds)
+    app.add_api_route("/v1/completions", bridge.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", bridge.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", bridge.models, methods=["GET"])
+    app.add_api_route("/health", bridge.health, methods=["GET"])
+    app.add_api_route("/metrics", bridge.metrics, methods=["GET"])
+    app.add_exception_handler(TandemError, _handle_error)
+    app.add_exception_handler(ApiError, _handle_error)
+    app.add_exception_handler(HTTPException, _handle_http_exception)
+    return app
+
+
+def set_serving(app: FastAPI, serving: bool) -> None:
+    """Turn /health to 200 (serving) or 503 (starting, draining)."""
+    app.state.bridge.serving = serving
+
+
+@dataclass(slots=True)
+class HttpServer:
+    """A running uvicorn server; `port` is the bound one (useful with port 0)."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self) -> None:
+        """Stop accepting, let running responses finish (the config's graceful timeout), return."""
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0) -> HttpServer:
+    """Serve `app` on host:port from the running event loop (port 0 picks a free one).
+
+    The gateway's main owns SIGTERM/SIGINT (grpc_server.run_until_signal), so uvicorn installs
+    no signal handlers; stop it with `HttpServer.stop()`.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} for HTTP: {exc}; is another process using the port?") from exc
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace)
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+        raise RuntimeError(f"the HTTP server on {host}:{port} stopped while starting")
+    return HttpServer(server, task, sock.getsockname()[1])
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _handle_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, TandemError | ApiError)
+    return error_response(error)
+
+
+async def _handle_http_exception(request: Request, error: Exception) -> Response:
+    """Routing errors (404 unknown path, 405 wrong method) in the OpenAI shape."""
+    assert isinstance(error, HTTPException)
+    return JSONResponse(error_body(error.status_code, f"{request.method} {request.url.path}: {error.detail}"),
+                        status_code=error.status_code, headers=error.headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+    return bytes(body)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {'more than ' if size > limit else ''}{size} bytes; this server "
+                         f"accepts at most {limit} (--max-body-bytes)", None, "request_too_large")
+
+
+def _parse(body_type: type[Body], raw: bytes) -> Body:
+    try:
+        return body_type.model_validate_json(raw)
+    except ValidationError as exc:
+        problem = body_error(exc)
+        raise ApiError(400, problem.message, problem.param, problem.code) from None
+
+
+def _prompt_length(body: Body) -> tuple[str, int]:
+    """(field, characters) of a text prompt; token id prompts are bounded by the model's context."""
+    if isinstance(body, ChatCompletionRequest):
+        return "messages", sum(len(message.as_dict()["content"]) for message in body.messages)
+    return "prompt", len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
+@contextlib.contextmanager
+def _named_as_sent(body: Body) -> Iterator[None]:
+    """Re-raise the pipeline's InvalidRequest under the field name the body used."""
+    try:
+        yield
+    except InvalidRequest as error:
+        param = body.param_name(error.field)
+        if param == error.field:
+            raise
+        problem = error.message.removeprefix(f"{error.field}: ")
+        raise InvalidRequest(param, problem) from None
+
+
+def _presented_key(request: Request) -> str | None:
+    """The key in `Authorization: Bearer KEY` or `x-api-key: KEY` (as the gRPC door reads it)."""
+    for header in API_KEY_HEADERS:
+        value = request.headers.get(header)
+        if value is None:
+            continue
+        if header != "authorization":
+            return value
+        scheme, _, token = value.strip().partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so the upstream calls it makes) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone()
+        return task.result()
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(choices: ChoiceSet, n: int) -> list[Choice]:
+    collected = [Choice(index) for index in range(n)]
+    async for index, chunk in choices.chunks():
+        collected[index].add(chunk)
+    return collected
+
+
+async def _events(shaper: ResponseShaper, choices: ChoiceSet, n: int, include_usage: bool):
+    """The SSE body: the opening chunks, one event per chunk with something to show, the usage
+    chunk when asked, then [DONE]; a failure becomes one error event before [DONE]."""
+    for payload in shaper.opening_chunks(n):
+        yield sse.event(payload)
+    usages = {}
+    try:
+        async for index, chunk in choices.chunks():
+            if chunk.usage is not None:
+                usages[index] = chunk.usage
+            payload = shaper.chunk(index, chunk)
+            if payload is not None:
+                yield sse.event(payload)
+        if include_usage:
+            yield sse.event(shaper.usage_chunk([usages[index] for index in sorted(usages)]))
+    except TandemError as error:
+        yield sse.event(error_payload(error)[1])
+    except Exception:
+        log.exception("stream of %s failed", shaper.response_id)
+        yield sse.event(error_body(500, "internal error while streaming; see the gateway's log", None,
+                                   "internal_error"))
+    yield sse.DONE

@@ -1,0 +1,127 @@
+"""`tandem gateway`: the public door. Loads the tokenizer (never torch), serves GenerateService
+over gRPC, and reports SERVING while the scheduler behind it answers its health check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import add_option, from_args, parse_address, parse_list
+from services.common.grpc_server import GrpcServer, create_server
+from services.common.metrics import ServiceMetrics
+from services.common.model_config import ModelLoadError
+from services.common.model_store import default_model_dir
+from services.common.tokenizer import TextCodec
+from services.common.tracing import setup_tracing
+from services.gateway import http_app
+from services.gateway.generation import GenerationPipeline
+from services.gateway.request import ServedModel
+from services.gateway.servicer import GenerateServicer
+from tandem.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
+
+log = logging.getLogger("tandem.gateway")
+
+GENERATE_SERVICE = "tandem.v1.GenerateService"
+_CHECK_INTERVAL_S = 2.0  # scheduler health, while it is up
+_RETRY_INTERVAL_S = 0.2  # ... while it is not (start-up)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str
+    port: int
+    http_port: int  # the OpenAI-compatible HTTP API (served by the HTTP bridge)
+    scheduler: str
+    model: Path
+    api_keys: tuple[str, ...]
+    internal_token: str | None
+    request_timeout: float  # seconds; the deadline of requests whose caller set none
+    http: http_app.HttpConfig  # the HTTP bridge's limits (and api_keys, request_timeout again)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--host", default="0.0.0.0", help="address to listen on")
+    add_option(parser, "--port", type=int, default=50051, help="gRPC port")
+    add_option(parser, "--http-port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
+    add_option(parser, "--scheduler", type=parse_address, default="127.0.0.1:50052",
+               help="the scheduler's HOST:PORT")
+    add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
+    add_option(parser, "--api-keys", type=parse_list, default=(),
+               help="comma-separated client API keys; none turns authentication off")
+    add_option(parser, "--internal-token", default=None, help="shared secret sent to internal services")
+    add_option(parser, "--request-timeout", type=float, default=600.0,
+               help="deadline in seconds of requests whose caller set none")
+    http_app.add_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
+                       http=http_app.config_from_args(args))
+    if not config.model.is_dir():
+        print(f"tandem gateway: model directory {config.model} not found; run `tandem model pull-default` "
+              "or pass --model DIR", file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ModelLoadError) as exc:
+        print(f"tandem gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then stop gracefully."""
+    codec = await asyncio.to_thread(TextCodec.from_model_dir, config.model)
+    model = ServedModel.from_model_dir(config.model, codec)
+    tracing = setup_tracing("gateway")
+    channel = grpc.aio.insecure_channel(config.scheduler)
+    pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
+                                  config.internal_token)
+    server = create_server(config.host, config.port, api_keys=config.api_keys)
+    server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
+                       GenerateServicer(pipeline, config.request_timeout))
+    await server.start()
+    http = http_app.create_http_app(pipeline, config.http, ServiceMetrics(model.name, "gateway").registry)
+    http_server = await http_app.start_http(http, config.host, config.http_port)
+    log.info("serving %s on %s:%d, HTTP on port %d (scheduler %s, auth %s)", model.name, config.host, server.port,
+             http_server.port, config.scheduler, "on" if config.api_keys else "off")
+    follower = asyncio.create_task(follow_scheduler_health(channel, server, http))
+    try:
+        await server.run_until_signal()
+    finally:
+        follower.cancel()
+        http_app.set_serving(http, False)
+        await http_server.stop()
+        await channel.close()
+        tracing.shutdown()
+
+
+async def follow_scheduler_health(channel: grpc.aio.Channel, server: GrpcServer,
+                                  http: FastAPI | None = None) -> None:
+    """Keep the gateway's health equal to the scheduler's: SERVING only while it answers SERVING
+    (the HTTP app's /health too, when given)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = False
+    while True:
+        try:
+            answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            up = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            up = False
+        if up != serving:
+            await (server.mark_serving() if up else server.mark_not_serving())
+            if http is not None:
+                http_app.set_serving(http, up)
+            log.info("scheduler %s: gateway now %s", "up" if up else "down", "SERVING" if up else "NOT_SERVING")
+            serving = up
+        await asyncio.sleep(_CHECK_INTERVAL_S if serving else _RETRY_INTERVAL_S)

@@ -1,0 +1,112 @@
+"""A request's output as the gateway returns it: token events in, typed `Chunk`s out.
+
+`OutputAssembler` detokenizes incrementally (UTF-8 safe), applies stop strings token by token so a
+match cuts the text and the tokens exactly, and keeps the token accounting for the usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import TextCodec
+from services.common.wire import FINISH_REASON_FROM_PROTO
+from services.gateway.stop_strings import StopStringMatcher
+from tandem.v1 import common_pb2, scheduler_pb2
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One step of a generation stream: the tokens since the previous chunk and their text.
+
+    The last chunk has `finish_reason` ("stop" | "length" | "abort") and `usage`; a "stop" says
+    what stopped it in `stop_token_id` or `stop_string`. `text` may lag `token_ids` while a
+    character or a possible stop string is incomplete.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    stop_string: str | None = None
+    usage: common_pb2.Usage | None = None
+    timings: common_pb2.RequestTimings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """How a request's output is turned into text."""
+
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class OutputAssembler:
+    """Turns one request's token events, in output order, into chunks.
+
+    After `finished` is set (a finish reason arrived or a stop string matched) the request's
+    upstream work is no longer wanted: the caller cancels it and ignores later events.
+    """
+
+    def __init__(self, codec: TextCodec, options: OutputOptions, num_prompt_tokens: int) -> None:
+        self._options = options
+        self._detokenizer = codec.incremental(options.skip_special_tokens)
+        self._stops = StopStringMatcher(options.stop, options.include_stop_str_in_output)
+        ends = set(options.sampling.stop_token_ids)
+        self._stop_token_ids = ends if options.sampling.ignore_eos else ends | set(codec.eos_token_ids)
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_output_tokens = 0
+        self._cached_tokens = 0
+        self.finished = False
+
+    def on_event(self, event: scheduler_pb2.TokenEvent) -> Chunk | None:
+        """The chunk for one event; None when it carries nothing to send."""
+        if event.HasField("usage"):
+            self._cached_tokens = event.usage.cached_tokens
+        chunk = Chunk([], "", timings=event.timings if event.HasField("timings") else None)
+        for index, token_id in enumerate(event.token_ids):
+            self._add_token(chunk, token_id, event.logprobs[index] if event.logprobs else None)
+            if self.finished:
+                return chunk
+        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._finish(chunk, event)
+        return chunk if chunk.token_ids or chunk.text or chunk.finish_reason else None
+
+    def _add_token(self, chunk: Chunk, token_id: int, logprob: common_pb2.TokenLogprob | None) -> None:
+        chunk.token_ids.append(token_id)
+        if logprob is not None:
+            chunk.logprobs.append(logprob)
+        self._num_output_tokens += 1
+        self._push_text(chunk, self._detokenizer.push([token_id]))
+
+    def _push_text(self, chunk: Chunk, text: str) -> None:
+        """Adds text through the stop strings, which apply once min_tokens are out (as in vLLM)."""
+        match = self._stops.push(text, check=self._num_output_tokens >= self._options.sampling.min_tokens)
+        chunk.text += match.text
+        if match.stop is not None:
+            chunk.stop_string = match.stop
+            self._end(chunk, "stop", self._usage())
+
+    def _finish(self, chunk: Chunk, event: scheduler_pb2.TokenEvent) -> None:
+        self._push_text(chunk, self._detokenizer.flush())
+        if self.finished:
+            return
+        chunk.text += self._stops.flush()
+        reason = FINISH_REASON_FROM_PROTO[event.finish_reason]
+        last = self._detokenizer.token_ids[-1] if self._detokenizer.token_ids else None
+        if reason == "stop" and last in self._stop_token_ids:
+            chunk.stop_token_id = last
+        self._end(chunk, reason, event.usage if event.HasField("usage") else self._usage())
+
+    def _end(self, chunk: Chunk, reason: str, usage: common_pb2.Usage) -> None:
+        chunk.finish_reason = reason
+        chunk.usage = usage
+        self.finished = True
+
+    def _usage(self) -> common_pb2.Usage:
+        """Usage counted here, when the request ends before the workers' final event."""
+        return common_pb2.Usage(prompt_tokens=self._num_prompt_tokens, cached_tokens=self._cached_tokens,
+                                completion_tokens=self._num_output_tokens)

@@ -1,0 +1,62 @@
+"""What the gateway is asked to do, whatever the protocol: `GenerationRequest` (gRPC and HTTP
+both convert into it at their edge) and `ServedModel`, the model it serves and its limits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.model_config import ModelConfig
+from services.common.model_store import model_name
+from services.common.sampling_params import SamplingParams
+from services.common.tokenizer import TextCodec
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation request. Exactly one of `prompt`, `token_ids` or `messages` should be set
+    (None = not set); validation.validate_request says what is wrong otherwise."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    model: str = ""  # empty: the served model
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None  # {"role": ..., "content": ...}
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized output
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str = ""
+    request_id: str = ""  # empty: the gateway assigns one
+
+    @property
+    def prompt_fields(self) -> list[str]:
+        """Names of the prompt fields that are set, in declaration order."""
+        values = {"prompt": self.prompt, "token_ids": self.token_ids, "messages": self.messages}
+        return [name for name, value in values.items() if value is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The model behind this gateway: its name (a model directory's name, as workers register it)
+    and the limits requests are validated against."""
+
+    name: str
+    max_model_len: int  # prompt plus generated tokens must fit
+    vocab_size: int  # valid token ids: [0, vocab_size)
+    has_chat_template: bool
+    created: int  # when the gateway loaded it, Unix seconds
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, codec: TextCodec) -> ServedModel:
+        """The limits the workers apply too: context and vocabulary from config.json (ModelLoadError
+        when it is missing or unsupported)."""
+        config = ModelConfig.from_model_dir(model_dir)
+        return cls(
+            name=model_name(model_dir),
+            max_model_len=config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            has_chat_template=codec.has_chat_template,
+            created=int(time.time()),
+        )

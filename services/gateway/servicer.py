@@ -1,0 +1,95 @@
+"""The public gRPC door, `tandem.v1.GenerateService`: converts at the edge and lets the
+generation pipeline do the work. Errors are TandemErrors, mapped to statuses by the interceptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.grpc_server import remaining_timeout
+from services.common.wire import FINISH_REASON_TO_PROTO, sampling_from_proto
+from services.gateway.generation import Generation, GenerationPipeline
+from services.gateway.output import Chunk
+from services.gateway.request import GenerationRequest, ServedModel
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_MAX_TOKENS = 16  # gateway.proto: unset max_tokens
+REQUEST_ID_KEY = "x-request-id"
+TRACE_ID_KEY = "x-trace-id"
+
+
+def request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
+    """The domain request; a repeated field left empty counts as not set."""
+    sampling = msg.sampling
+    return GenerationRequest(
+        sampling=sampling_from_proto(sampling, DEFAULT_MAX_TOKENS),
+        model=msg.model,
+        prompt=msg.prompt if msg.HasField("prompt") else None,
+        token_ids=list(msg.token_ids) or None,
+        messages=[{"role": m.role, "content": m.content} for m in msg.messages] or None,
+        stop=tuple(sampling.stop),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        cache_salt=msg.cache_salt,
+        request_id=msg.request_id,
+    )
+
+
+def response_from_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
+    response = gateway_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs)
+    if chunk.finish_reason is not None:
+        response.finish_reason = FINISH_REASON_TO_PROTO[chunk.finish_reason]
+    if chunk.stop_token_id is not None:
+        response.stop_token_id = chunk.stop_token_id
+    if chunk.stop_string is not None:
+        response.stop_string = chunk.stop_string
+    if chunk.usage is not None:
+        response.usage.CopyFrom(chunk.usage)
+    if chunk.timings is not None:
+        response.timings.CopyFrom(chunk.timings)
+    return response
+
+
+class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
+    """Generate streams a request's chunks; the first response carries its request and trace ids
+    (also sent at once as `x-request-id` / `x-trace-id` initial metadata)."""
+
+    def __init__(self, pipeline: GenerationPipeline, default_timeout: float) -> None:
+        self._pipeline = pipeline
+        self._default_timeout = default_timeout
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        timeout = remaining_timeout(context, default=self._default_timeout)
+        generation = await self._pipeline.start(request_from_proto(request), timeout)
+        try:
+            await context.send_initial_metadata(
+                ((REQUEST_ID_KEY, generation.request_id), (TRACE_ID_KEY, generation.trace_id)))
+            async for response in _responses(generation):
+                yield response
+        finally:
+            generation.close()  # the client went away or the stream ended: cancel upstream
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        return gateway_pb2.ListModelsResponse(models=[model_card(self._pipeline.model)])
+
+
+async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    first = True
+    async for chunk in generation:
+        response = response_from_chunk(chunk)
+        if first:
+            response.request_id, response.trace_id = generation.request_id, generation.trace_id
+            first = False
+        yield response
+
+
+def model_card(model: ServedModel) -> gateway_pb2.ModelCard:
+    return gateway_pb2.ModelCard(id=model.name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+                                 has_chat_template=model.has_chat_template, created=model.created,
+                                 owned_by="tandem")

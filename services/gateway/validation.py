@@ -1,0 +1,104 @@
+"""Every check a generation request must pass before the gateway does any work for it.
+
+Errors name the field as the request spells it (`prompt`, `max_tokens`, `temperature`, ...), so
+the gRPC door reports INVALID_ARGUMENT and the HTTP bridge a 400 with that `param`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from services.common.errors import InvalidRequest, NotFound
+from services.gateway.request import GenerationRequest, ServedModel
+
+PROMPT_FIELDS = ("prompt", "token_ids", "messages")
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def validate_request(request: GenerationRequest, model: ServedModel) -> str:
+    """Checks every field that does not need the prompt's tokens; returns the prompt field set.
+
+    Order: model (NOT_FOUND), the prompt field, sampling, stop strings, request id.
+    """
+    check_model(request.model, model)
+    field = _check_prompt_field(request, model)
+    _check_sampling(request, model)
+    _check_stop(request.stop)
+    if request.request_id and not REQUEST_ID_PATTERN.fullmatch(request.request_id):
+        raise InvalidRequest("request_id", "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    return field
+
+
+def check_model(name: str, model: ServedModel) -> None:
+    """An empty name means the served model; any other name must be it."""
+    if name and name != model.name:
+        raise NotFound(f"model {name!r} not found; this gateway serves {model.name!r}")
+
+
+def check_prompt_length(field: str, num_prompt_tokens: int, max_tokens: int, model: ServedModel) -> None:
+    """The tokenized prompt and then prompt + max_tokens must fit the model's context."""
+    context = model.max_model_len
+    if num_prompt_tokens >= context:
+        raise InvalidRequest(
+            field,
+            f"the prompt has {num_prompt_tokens} tokens but the model's context is {context} tokens, "
+            f"including at least one generated token; shorten it to at most {context - 1} tokens",
+        )
+    if num_prompt_tokens + max_tokens > context:
+        raise InvalidRequest(
+            "max_tokens",
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {context} tokens; set max_tokens to at most {context - num_prompt_tokens}",
+        )
+
+
+def _check_prompt_field(request: GenerationRequest, model: ServedModel) -> str:
+    fields = request.prompt_fields
+    if not fields:
+        raise InvalidRequest("prompt", "missing; set one of prompt, token_ids or messages")
+    if len(fields) > 1:
+        raise InvalidRequest(fields[1], f"cannot be combined with {fields[0]}; set only one of prompt, "
+                                        "token_ids or messages")
+    field = fields[0]
+    if field == "prompt" and request.prompt == "":
+        raise InvalidRequest("prompt", "must not be empty")
+    if field == "token_ids":
+        _check_token_ids("token_ids", request.token_ids or [], model, allow_empty=False)
+    if field == "messages":
+        _check_messages(request.messages or [], model)
+    return field
+
+
+def _check_token_ids(field: str, token_ids: list[int], model: ServedModel, allow_empty: bool) -> None:
+    if not token_ids and not allow_empty:
+        raise InvalidRequest(field, "must not be empty")
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < model.vocab_size:
+            raise InvalidRequest(field, f"token id {token_id} at index {index} is outside the vocabulary "
+                                        f"[0, {model.vocab_size})")
+
+
+def _check_messages(messages: list[dict[str, str]], model: ServedModel) -> None:
+    if not messages:
+        raise InvalidRequest("messages", "must not be empty")
+    if not model.has_chat_template:
+        raise InvalidRequest("messages", f"model {model.name!r} has no chat template; send prompt or "
+                                         "token_ids instead")
+    for index, message in enumerate(messages):
+        if not message.get("role"):
+            raise InvalidRequest("messages", f"message {index} has no role")
+
+
+def _check_sampling(request: GenerationRequest, model: ServedModel) -> None:
+    try:
+        request.sampling.validate()
+    except ValueError as exc:  # "<field> <rule>, got <value>"
+        field, _, problem = str(exc).partition(" ")
+        raise InvalidRequest(field, problem) from None
+    _check_token_ids("stop_token_ids", list(request.sampling.stop_token_ids), model, allow_empty=True)
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest("stop", f"stop string {index} is empty")
