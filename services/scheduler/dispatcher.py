@@ -1,0 +1,363 @@
+"""The life of a request in the scheduler, from its Submit call to the end of its stream.
+
+Model: a request is admitted (at once, after a wait in the queue, or refused), routed, started
+on its workers (launcher.py), and relayed until its final event: token 0 from the prefill worker,
+the rest from the decode worker, each on its own ReportTokens stream (or all from a colocated one).
+Whatever ends the stream (final event, Abort, error, the call cancelled, the deadline), `_close`
+runs exactly once: the request leaves every table, what workers still hold for it is aborted
+unless it finished, and a decode reservation it never used is released.
+
+Failures reach the gateway as the Submit call's gRPC status, never as an in-band error event:
+UNAVAILABLE when a worker holding the request is lost (its token stream ends or its heartbeat
+lapses) or no worker can serve it; RESOURCE_EXHAUSTED with `retry-after` when the queue is full
+or no decode worker has room; DEADLINE_EXCEEDED; a worker's own status otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
+from services.common.metrics import ServiceMetrics
+from services.common.store import WorkerLoad, WorkerRole
+from services.common.tracing import Attr, SpanName, extract_context
+from services.common.wire import FINISH_REASON_FROM_PROTO
+from services.scheduler.admission import Admission
+from services.scheduler.deadline import Deadline
+from services.scheduler.inflight import InflightTable, RequestState
+from services.scheduler.launcher import Launcher
+from services.scheduler.planner import RoutePlan, plan_route
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.relay import Relay
+from services.scheduler.router import cached_tokens
+from services.scheduler.stats import Counters, Outcome, snapshot
+from services.scheduler.streams import TokenStreams
+from services.scheduler.worker_clients import WorkerClients
+from tandem.v1 import common_pb2, scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+_SEED_BITS = 63
+_FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+
+
+class Dispatcher:
+    """Call order: start(), then submit()/abort()/worker events from the servicer, close() last."""
+
+    def __init__(self, registry: WorkerRegistry, clients: WorkerClients, *, max_queue: int, max_running: int,
+                 metrics: ServiceMetrics | None = None, tracer: trace.Tracer | None = None) -> None:
+        self.registry = registry
+        self.clients = clients
+        self.inflight = InflightTable()
+        self.admission = Admission(max_queue, self._capacity)
+        self.counters = Counters()
+        self.streams = TokenStreams(self.on_token_batch, self.worker_lost)
+        self._launcher = Launcher(clients, self._spawn)
+        self._max_running = max_running
+        self._metrics = metrics or ServiceMetrics("", "scheduler")
+        self._tracer = tracer or trace.get_tracer("tandem.scheduler")
+        self._draining: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._watcher: asyncio.Task | None = None
+
+    # -- lifecycle of the service --------------------------------------------------------------
+
+    def start(self, watch_interval: float) -> None:
+        """Watch the registry every `watch_interval` seconds for workers whose heartbeat lapsed."""
+        self._watcher = self._spawn(self._watch(watch_interval))
+
+    async def close(self, grace: float = 2.0) -> None:
+        """Stop watching; give the aborts and releases under way `grace` seconds, then cancel what is left."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- a request -----------------------------------------------------------------------------
+
+    async def submit(self, request: scheduler_pb2.SubmitRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The request's events, in order, up to the final one; failures raise TandemError."""
+        if request.request_id in self.inflight:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight; ids must be unique")
+        state = self._open(request, context)
+        context.add_done_callback(lambda _: self._close(state))  # also when the stream is cut mid-write
+        try:
+            await self._admit(state)
+            if state.admitted and not state.relay.closed:
+                await self._start(state)
+            async for event in state.relay.events(state.deadline.remaining):
+                yield self._outgoing(state, event)
+        except TandemError as error:
+            state.error = error
+            raise
+        finally:
+            self._close(state)
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """End these requests' streams with FINISH_REASON_ABORT (their workers are told on close)."""
+        aborted = []
+        for request_id in request_ids:
+            state = self.inflight.get(request_id)
+            if state is None or state.relay.closed:
+                continue
+            state.relay.finish(common_pb2.FINISH_REASON_ABORT)
+            if state.ticket is not None and not state.ticket.done():
+                self.admission.withdraw(state.ticket)
+            aborted.append(request_id)
+        return aborted
+
+    def _open(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> RequestState:
+        span = self._tracer.start_span(
+            SpanName.SCHEDULER_SUBMIT, context=extract_context(context.invocation_metadata()),
+            kind=trace.SpanKind.SERVER,
+            attributes={Attr.REQUEST_ID: request.request_id, Attr.GEN_AI_REQUEST_MODEL: request.model})
+        sampling = request.sampling
+        seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(_SEED_BITS)
+        deadline = Deadline.of(context.time_remaining(), request.deadline_unix_ms)
+        state = RequestState(request, deadline, span, Relay(request.request_id), seed=seed)
+        self.inflight.add(state)
+        self.counters.submitted += 1
+        return state
+
+    async def _admit(self, state: RequestState) -> None:
+        with self._child_span(state, SpanName.SCHEDULER_QUEUE):
+            state.ticket = self.admission.enter()
+            self._update_gauges()
+            if state.ticket is None:
+                state.admitted = True
+            else:
+                try:
+                    state.admitted = await asyncio.wait_for(asyncio.shield(state.ticket), state.deadline.remaining())
+                except TimeoutError:
+                    raise DeadlineExceeded(f"request {state.request_id} passed its deadline in the scheduler's "
+                                           f"queue ({self.admission.waiting} waiting)") from None
+        state.queued_s = time.monotonic() - state.arrival
+        self._metrics.request_queue_time.observe(state.queued_s)
+        self._update_gauges()
+
+    async def _start(self, state: RequestState) -> None:
+        """Route the request, reserve its decode blocks, and start it on its workers."""
+        with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
+            plan = await plan_route(self.registry, self.inflight, state.request)
+            if state.relay.closed:
+                return
+            self._assign_prefill(state, plan)
+            decode, block_ids = (None, []) if plan.colocated else await self._launcher.reserve(state, plan)
+            state.route = plan.route_info(state.request_id, decode.worker_id if decode else "", state.reserved_blocks)
+            self.counters.routes.append(state.route)
+            span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
+                                 Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
+                                 Attr.ROUTE_SCORES: plan.scores_json()})
+        if state.relay.closed:
+            return
+        if plan.colocated:
+            await self._launcher.run(state)
+        else:
+            self._launcher.prefill(state, block_ids)
+
+    def _assign_prefill(self, state: RequestState, plan: RoutePlan) -> None:
+        best = plan.prefill[0]
+        worker = plan.workers[best.worker_id]
+        state.colocated = plan.colocated
+        state.prefill = worker
+        cached = cached_tokens(best.cached_blocks, worker.info.block_size, state.prompt_tokens)
+        state.uncached_tokens = state.prompt_tokens - cached
+        if plan.colocated:
+            state.holders[best.worker_id] = worker
+
+    def _outgoing(self, state: RequestState, event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+        """A worker event as the gateway gets it: the route on the first, the scheduler's timings."""
+        now = time.monotonic()
+        first, final = state.events_sent == 0, event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        if first and state.route is not None:
+            event.route.CopyFrom(state.route)
+        if event.token_ids and state.first_token_at is None:
+            state.first_token_at = now
+        if first or final:
+            self._stamp(state, event.timings, now, final)
+        if final:
+            state.finish_reason = event.finish_reason
+        event.ClearField("error")
+        state.events_sent += 1
+        return event
+
+    @staticmethod
+    def _stamp(state: RequestState, timings: common_pb2.RequestTimings, now: float, final: bool) -> None:
+        """The scheduler's view of the request's timings, over what the worker measured."""
+        timings.queue_ms = state.queued_s * 1000
+        if state.first_token_at is not None:
+            timings.time_to_first_token_ms = (state.first_token_at - state.arrival) * 1000
+        if not final:
+            return
+        timings.prefill_ms = timings.prefill_ms or state.timings.prefill_ms
+        timings.kv_transfer_ms = timings.kv_transfer_ms or state.timings.kv_transfer_ms
+        if state.first_token_at is not None and not timings.decode_ms:
+            timings.decode_ms = (now - state.first_token_at) * 1000
+        timings.total_ms = (now - state.arrival) * 1000
+
+    def _close(self, state: RequestState) -> None:
+        """Forget the request and settle what workers hold for it; runs once per request."""
+        if state.closed:
+            return
+        state.closed = True
+        state.relay.finish(common_pb2.FINISH_REASON_ABORT)  # nothing more is delivered
+        self.inflight.remove(state.request_id)
+        if state.admitted:
+            self.admission.release(time.monotonic() - state.arrival - state.queued_s)
+        elif state.ticket is not None:
+            self.admission.withdraw(state.ticket)
+        outcome = _outcome(state)
+        self.counters.outcomes[outcome] += 1
+        if outcome is Outcome.COMPLETED:
+            self._launcher.release_unused(state)
+        else:
+            self._launcher.abort(state, _abort_reason(state))
+        reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
+        if reason is not None:
+            self._metrics.request_success(reason).inc()
+        self._update_gauges()
+        if outcome in (Outcome.FAILED, Outcome.REJECTED):
+            state.span.set_status(trace.StatusCode.ERROR, str(state.error))
+        state.span.end()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def on_token_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
+        """One iteration's events from a worker's ReportTokens stream, to their requests' relays."""
+        for event in batch.events:
+            state = self.inflight.get(event.request_id)
+            if state is None:
+                continue  # ended already (aborted, failed): late tokens are dropped
+            if not event.worker_id:
+                event.worker_id = worker_id
+            if event.output_offset == 0:
+                state.prefill_pending = False
+            if state.decode is not None and worker_id == state.decode.info.worker_id:
+                state.decode_reported = True
+            state.relay.push(event)
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        """Fail every request the worker holds with UNAVAILABLE and stop routing to it."""
+        held = self.inflight.held_by(worker_id)
+        address = held[0].holders[worker_id].info.address if held else None
+        for state in held:
+            del state.holders[worker_id]
+            state.relay.fail(Unavailable(
+                f"worker {worker_id} was lost ({reason}) while it held request {state.request_id}, "
+                f"after {state.relay.next_offset} token(s); retry the request"))
+        log.warning("worker %s lost (%s): %d request(s) failed", worker_id, reason, len(held))
+        self._draining.discard(worker_id)
+        self.registry.forget(worker_id)
+        self._spawn(self._forget(worker_id, address))
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        """Renew a worker. False tells it to register again, upon which it drops every request it
+        holds: they fail here at once (the watcher may not have seen the lapse yet)."""
+        known = await self.registry.heartbeat(worker_id, load)
+        if not known and self.inflight.held_by(worker_id):
+            self.worker_lost(worker_id, "its heartbeat lapsed")
+        return known
+
+    def worker_registered(self) -> None:
+        """A worker joined: more requests may run."""
+        self.admission.grant()
+        self._update_gauges()
+
+    async def worker_deregistered(self, worker_id: str) -> None:
+        """A worker leaving gracefully: no new requests; the ones it holds may finish until its stream ends."""
+        self._draining.add(worker_id)
+        self.registry.forget(worker_id)
+        await self.registry.unregister(worker_id)
+
+    async def check_workers(self) -> None:
+        """Fail the requests of workers no longer live (heartbeat lapsed); admit waiters if capacity grew."""
+        live = {record.info.worker_id for record in await self.registry.live_workers()}
+        for worker_id in self.inflight.holders() - live - self._draining:
+            self.worker_lost(worker_id, "its heartbeat lapsed")
+        self.admission.grant()
+        self._update_gauges()
+
+    async def _watch(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_workers()
+            except Exception:
+                log.exception("checking the workers' heartbeats failed")
+
+    async def _forget(self, worker_id: str, address: str | None) -> None:
+        await self.registry.unregister(worker_id)
+        if address is not None:
+            await self.clients.forget(address)
+
+    def _capacity(self) -> int:
+        """Requests that may run at once: max_running per decode worker (colocated ones, when any)."""
+        roles = [record.info.role for record in self.registry.snapshot()]
+        generators = roles.count(WorkerRole.COLOCATED) or roles.count(WorkerRole.DECODE)
+        return self._max_running * max(1, generators)
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    async def stats(self, recent_routes: int) -> scheduler_pb2.SchedulerStats:
+        records = await self.registry.live_workers()
+        return snapshot(self.counters, self.admission, self.registry, records, recent_routes)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @contextmanager
+    def _child_span(self, state: RequestState, name: str) -> Iterator[trace.Span]:
+        span = self._tracer.start_span(name, context=trace.set_span_in_context(state.span))
+        try:
+            yield span
+        except Exception as exc:
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            raise
+        finally:
+            span.end()
+
+    def _update_gauges(self) -> None:
+        self._metrics.num_requests_running.set(self.admission.running)
+        self._metrics.num_requests_waiting.set(self.admission.waiting)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _outcome(state: RequestState) -> Outcome:
+    if state.finish_reason in _FINISHED:
+        return Outcome.COMPLETED
+    if state.finish_reason == common_pb2.FINISH_REASON_ABORT:
+        return Outcome.ABORTED
+    if isinstance(state.error, Overloaded):
+        return Outcome.REJECTED
+    if state.error is None or isinstance(state.error, DeadlineExceeded):
+        return Outcome.ABORTED  # the call was cancelled, or time ran out
+    return Outcome.FAILED
+
+
+def _abort_reason(state: RequestState) -> str:
+    if state.finish_reason == common_pb2.FINISH_REASON_ABORT:
+        return "aborted"
+    if isinstance(state.error, DeadlineExceeded):
+        return "deadline passed"
+    if state.error is not None:
+        return f"request failed: {state.error}"
+    return "client cancelled"
+

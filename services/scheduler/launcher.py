@@ -1,0 +1,189 @@
+"""The calls that start a routed request on its workers, and settle what they hold when it ends.
+
+Disaggregated: Reserve the prompt's KV blocks (and the first token's slot) on the best ranked
+decode worker that has room, then Prefill on the prefill worker, which returns after the KV
+transfer and repeats token 0. Colocated: Run. Every call carries the request's remaining deadline,
+its trace context and the internal token. A Reserve or Run still in flight when the request is
+cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from services.common.errors import Overloaded, TandemError, Unavailable
+from services.common.store import WorkerRecord, WorkerRole
+from services.scheduler.inflight import RequestState
+from services.scheduler.planner import RoutePlan
+from services.scheduler.router import Score
+from services.scheduler.worker_clients import WorkerClients, worker_error
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 5.0  # Reserve, Release, Run: quick calls
+ABORT_TIMEOUT_S = 2.0
+PREFILL_TIMEOUT_S = 600.0  # a Prefill without a deadline: queue, compute and KV transfer
+# A worker that refused a Reserve holds nothing; after any other failure it may hold a reservation.
+_REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED)
+
+Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
+
+
+class Launcher:
+    """`spawn` runs a background task the dispatcher keeps track of."""
+
+    def __init__(self, clients: WorkerClients, spawn: Spawn) -> None:
+        self.clients = clients
+        self._spawn = spawn
+
+    async def reserve(self, state: RequestState, plan: RoutePlan) -> tuple[Score, list[int]]:
+        """Reserve on the decode candidates in rank order; RESOURCE_EXHAUSTED when none has room."""
+        request = worker_pb2.ReserveRequest(request_id=state.request_id, num_tokens=state.prompt_tokens + 1)
+        error: TandemError = Unavailable("no decode worker")
+        for score in plan.decode:
+            worker = plan.workers[score.worker_id]
+            state.holders[score.worker_id] = worker
+            try:
+                response = await self._landing(state, self.clients.decode(worker.info.address).Reserve(
+                    request, timeout=state.deadline.timeout(CONTROL_TIMEOUT_S), metadata=self._metadata(state)))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSED:
+                    del state.holders[score.worker_id]
+                error = worker_error(exc, worker, "Reserve")
+                if isinstance(error, (Overloaded, Unavailable)) and not state.relay.closed:
+                    continue
+                raise error from None
+            state.decode = worker
+            state.reserved_blocks = len(response.block_ids)
+            state.reserved_at = time.monotonic()
+            return score, list(response.block_ids)
+        raise error
+
+    def prefill(self, state: RequestState, block_ids: list[int]) -> None:
+        """Start the Prefill call in the background: token 0 arrives on the worker's token stream."""
+        assert state.prefill is not None
+        state.holders[state.prefill.info.worker_id] = state.prefill
+        state.prefill_task = self._spawn(self._prefill(state, block_ids))
+
+    async def run(self, state: RequestState) -> None:
+        """Hand the request to its colocated worker (returns once it is queued there)."""
+        worker = state.prefill
+        assert worker is not None
+        request = worker_pb2.RunRequest(request_id=state.request_id, token_ids=state.request.token_ids,
+                                        sampling=_sampling(state), seed=state.seed,
+                                        cache_salt=state.request.cache_salt)
+        try:
+            await self._landing(state, self.clients.colocated(worker.info.address).Run(
+                request, timeout=state.deadline.timeout(CONTROL_TIMEOUT_S), metadata=self._metadata(state)))
+        except grpc.aio.AioRpcError as exc:
+            raise worker_error(exc, worker, "Run") from None
+
+    def release_unused(self, state: RequestState) -> None:
+        """A request that ended at its first token never used its decode reservation: free it."""
+        decode = state.decode
+        if decode is None or state.decode_reported:
+            return
+        request = worker_pb2.ReleaseRequest(request_id=state.request_id)
+        call = self.clients.decode(decode.info.address).Release(
+            request, timeout=CONTROL_TIMEOUT_S, metadata=self._metadata(state))
+        self._spawn(_quietly(call, f"Release of {state.request_id} on {decode.info.worker_id}"))
+
+    def abort(self, state: RequestState, reason: str) -> None:
+        """Cancel the Prefill call and Abort the request on every worker that may hold it (idempotent there)."""
+        if state.prefill_task is not None:
+            state.prefill_task.cancel()
+        if state.holders or state.landing is not None:
+            self._spawn(self._abort_holders(state, reason))
+
+    async def _prefill(self, state: RequestState, block_ids: list[int]) -> None:
+        """The Prefill call (it returns after the KV transfer); its response backs up token 0."""
+        prefill, decode = state.prefill, state.decode
+        assert prefill is not None and decode is not None
+        request = worker_pb2.PrefillRequest(
+            request_id=state.request_id, token_ids=state.request.token_ids, sampling=_sampling(state),
+            seed=state.seed, cache_salt=state.request.cache_salt, decode_address=decode.info.address,
+            decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids)
+        try:
+            response = await self.clients.prefill(prefill.info.address).Prefill(
+                request, timeout=state.deadline.timeout(PREFILL_TIMEOUT_S), metadata=self._metadata(state))
+        except grpc.aio.AioRpcError as exc:
+            state.relay.fail(worker_error(exc, prefill, "Prefill"))
+            return
+        except TandemError as exc:
+            state.relay.fail(exc)
+            return
+        state.holders.pop(prefill.info.worker_id, None)
+        state.prefill_pending = False
+        state.timings.prefill_ms = response.timings.compute_ms
+        state.timings.kv_transfer_ms = response.transfer.duration_ms
+        for event in prefill_events(state, response):
+            state.relay.push(event)
+
+    async def _abort_holders(self, state: RequestState, reason: str) -> None:
+        if state.landing is not None:
+            await asyncio.wait([state.landing])  # abort after a Reserve or Run in flight lands, not before
+        request = common_pb2.AbortRequest(request_ids=[state.request_id], reason=reason)
+        metadata = self._metadata(state)
+        await asyncio.gather(*(
+            _quietly(self._stub(worker).Abort(request, timeout=ABORT_TIMEOUT_S, metadata=metadata),
+                     f"Abort of {state.request_id} on {worker_id}")
+            for worker_id, worker in list(state.holders.items())))
+
+    def _stub(self, worker: WorkerRecord) -> Any:
+        stubs = {WorkerRole.PREFILL: self.clients.prefill, WorkerRole.DECODE: self.clients.decode,
+                 WorkerRole.COLOCATED: self.clients.colocated}
+        return stubs[worker.info.role](worker.info.address)
+
+    def _metadata(self, state: RequestState) -> tuple[tuple[str, str], ...]:
+        return self.clients.metadata(state.span)
+
+    @staticmethod
+    async def _landing(state: RequestState, call: Any) -> Any:
+        """Await a call that creates state on a worker (Reserve, Run) so that, if the request is
+        cancelled meanwhile, the call still completes and the Abort can wait for it."""
+        state.landing = asyncio.ensure_future(call)
+        state.landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
+        return await asyncio.shield(state.landing)
+
+
+def _sampling(state: RequestState) -> common_pb2.SamplingParams:
+    """The request's sampling with its resolved seed, so every worker draws the same stream."""
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(state.request.sampling)
+    sampling.seed = state.seed
+    return sampling
+
+
+def prefill_events(state: RequestState, response: worker_pb2.PrefillResponse) -> list[scheduler_pb2.TokenEvent]:
+    """Token 0 as the PrefillResponse repeats it (a duplicate of the reported one, unless that was
+    lost), and the final event when the first token ended the request."""
+    if response.finish_reason in (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR):
+        return []  # aborted on the worker: whoever aborted it ends the stream
+    worker_id = state.prefill.info.worker_id if state.prefill else ""
+    first = scheduler_pb2.TokenEvent(request_id=state.request_id, output_offset=0,
+                                     token_ids=[response.first_token_id], worker_id=worker_id)
+    if response.HasField("first_logprob"):
+        first.logprobs.append(response.first_logprob)
+    if response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return [first]
+    final = scheduler_pb2.TokenEvent(request_id=state.request_id, output_offset=1,
+                                     finish_reason=response.finish_reason, worker_id=worker_id)
+    final.usage.CopyFrom(common_pb2.Usage(prompt_tokens=response.prompt_tokens,
+                                          cached_tokens=response.cached_tokens, completion_tokens=1))
+    return [first, final]
+
+
+async def _quietly(call: Any, what: str) -> None:
+    """Await a best-effort call to a worker; its failure is logged, not raised."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        log.info("%s failed: %s: %s", what, exc.code().name, exc.details())

@@ -1,0 +1,143 @@
+"""`tandem scheduler`: the control plane. Serves SchedulerService over gRPC on the store given by
+--redis-url (or an embedded one), and reports SERVING once the store answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import sys
+from dataclasses import dataclass
+
+from services.common.config import add_option, from_args
+from services.common.grpc_server import GrpcServer, create_server
+from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics_server
+from services.common.store import Store, StoreUnavailable, open_store
+from services.common.tracing import setup_tracing
+from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
+from services.scheduler.worker_clients import WorkerClients
+from tandem.v1 import scheduler_pb2_grpc
+
+log = logging.getLogger("tandem.scheduler")
+
+_STORE_RETRY_S = 0.5
+_WATCHES_PER_TTL = 5
+_MAX_WATCH_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """host/port: the gRPC listen address. redis_url: the shared store (None: embedded, in-process).
+    max_queue: requests that may wait for a worker before RESOURCE_EXHAUSTED. max_running: requests
+    dispatched at once per decode (or colocated) worker; more wait in the queue. metrics_port: the
+    Prometheus endpoint (0: off). heartbeat_ttl: seconds a worker stays live after its last heartbeat.
+    internal_token: the secret internal callers present and this scheduler sends to workers
+    (`x-tandem-internal-token`; None: no auth)."""
+
+    host: str = "0.0.0.0"
+    port: int = 50052
+    redis_url: str | None = None
+    max_queue: int = 256
+    max_running: int = 64
+    metrics_port: int = 9102
+    heartbeat_ttl: float = 5.0
+    internal_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_running < 1:
+            raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.heartbeat_ttl <= 0:
+            raise ValueError(f"--heartbeat-ttl must be > 0 seconds, got {self.heartbeat_ttl}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be a port number (0 turns metrics off), got {self.metrics_port}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--host", default="0.0.0.0", help="address to listen on")
+    add_option(parser, "--port", type=int, default=50052, help="gRPC port")
+    add_option(parser, "--redis-url", default=None,
+               help="Redis URL of the shared store, e.g. redis://127.0.0.1:6379/0 (unset: embedded store)")
+    add_option(parser, "--max-queue", type=int, default=256,
+               help="requests that may wait for a worker; beyond, RESOURCE_EXHAUSTED with a retry hint")
+    add_option(parser, "--max-running", type=int, default=64,
+               help="requests dispatched at once per decode or colocated worker; more wait in the queue")
+    add_option(parser, "--metrics-port", type=int, default=9102, help="Prometheus /metrics port (0: off)")
+    add_option(parser, "--heartbeat-ttl", type=float, default=5.0,
+               help="seconds a worker stays in the registry after its last heartbeat")
+    add_option(parser, "--internal-token", default=None,
+               help="shared secret of internal calls, required from callers and sent to workers")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = from_args(SchedulerConfig, args)
+    except ValueError as exc:
+        print(f"tandem scheduler: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"tandem scheduler: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(config: SchedulerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then stop gracefully."""
+    tracing = setup_tracing("scheduler")
+    metrics = ServiceMetrics("", "scheduler")
+    metrics_server = _start_metrics(config.metrics_port, metrics)
+    store = open_store(config.redis_url)
+    clients = WorkerClients(config.internal_token)
+    dispatcher = Dispatcher(WorkerRegistry(store, config.heartbeat_ttl), clients, max_queue=config.max_queue,
+                            max_running=config.max_running, metrics=metrics)
+    server = create_server(config.host, config.port, internal_token=config.internal_token)
+    server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6)))
+    try:
+        await server.start()
+        dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))
+        log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s)",
+                 config.host, server.port, store.name, config.max_queue, config.max_running, config.heartbeat_ttl)
+        ready = asyncio.create_task(serve_once_store_answers(store, server))
+        await server.run_until_signal()
+        ready.cancel()
+    finally:
+        await dispatcher.close()
+        await clients.close()
+        await store.close()
+        if metrics_server is not None:
+            metrics_server.close()
+        tracing.shutdown()
+
+
+async def serve_once_store_answers(store: Store, server: GrpcServer) -> None:
+    """Mark the server SERVING as soon as the store answers a ping (at once for the embedded store)."""
+    waited = False
+    while True:
+        try:
+            await store.ping()
+            break
+        except StoreUnavailable as exc:
+            if not waited:
+                log.warning("NOT_SERVING until the store answers: %s", exc)
+            waited = True
+            await asyncio.sleep(_STORE_RETRY_S)
+    await server.mark_serving()
+    log.info("the %s store answers: SERVING", store.name)
+
+
+def _start_metrics(port: int, metrics: ServiceMetrics) -> MetricsServer | None:
+    if port == 0:
+        return None
+    try:
+        return start_metrics_server(port, metrics.registry)
+    except OSError as exc:
+        raise OSError(f"cannot serve metrics on port {port}: {exc}; pass another --metrics-port, or 0 for none") \
+            from exc

@@ -1,0 +1,106 @@
+"""Routing one request: the live workers serving its model, their prefix matches for its block-hash
+chain (tenant salt included), their load with this scheduler's in-flight requests on top, ranked
+by the router's costs. Colocated workers, when any are live, take every request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.common.block_hash import hash_chain
+from services.common.errors import Unavailable
+from services.common.store import WorkerRecord, WorkerRole
+from services.scheduler.inflight import InflightTable
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.router import Candidate, Score, rank_decode, rank_prefill
+from tandem.v1 import scheduler_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """Candidates best first: prefill (or colocated) and decode (empty when colocated)."""
+
+    colocated: bool
+    prefill: list[Score]
+    decode: list[Score]
+    workers: dict[str, WorkerRecord]
+    degraded: bool
+
+    def route_info(self, request_id: str, decode_worker_id: str, reserved_blocks: int) -> scheduler_pb2.RouteInfo:
+        """The decision as recorded: the best prefill candidate, the decode worker that took the reservation."""
+        prefill = self.prefill[0]
+        return scheduler_pb2.RouteInfo(
+            request_id=request_id, prefill_worker_id=prefill.worker_id, decode_worker_id=decode_worker_id,
+            matched_prefix_blocks=prefill.cached_blocks, reserved_blocks=reserved_blocks,
+            prefill_scores=[s.to_pb() for s in self.prefill], decode_scores=[s.to_pb() for s in self.decode],
+            degraded=self.degraded)
+
+    def scores_json(self) -> str:
+        """Every candidate's score breakdown, for the routing span."""
+        scores = {s.worker_id: {"cost": s.cost, "cached_blocks": s.cached_blocks,
+                                "queued_prefill_tokens": s.queued_prefill_tokens} for s in self.prefill}
+        scores |= {s.worker_id: {"cost": s.cost, "free_blocks": s.free_blocks, "running": s.running}
+                   for s in self.decode}
+        return json.dumps(scores)
+
+
+async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
+                     request: scheduler_pb2.SubmitRequest) -> RoutePlan:
+    """Raises Unavailable when no live worker can serve the request's model."""
+    live = await registry.live_workers()
+    records = [r for r in live if not request.model or r.info.model == request.model]
+    colocated = _with_role(records, WorkerRole.COLOCATED)
+    prefill = colocated or _with_role(records, WorkerRole.PREFILL)
+    decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
+    if not prefill or not (colocated or decode):
+        raise Unavailable(_no_worker_message(request.model, live, prefill))
+    matched = await _prefix_matches(registry, request, prefill)
+    degraded = registry.degraded
+    prompt_tokens = len(request.token_ids)
+    prefill_candidates = [_candidate(registry, inflight, r, matched.get(r.info.worker_id, 0)) for r in prefill]
+    decode_candidates = [_candidate(registry, inflight, r) for r in decode]
+    return RoutePlan(
+        colocated=bool(colocated),
+        prefill=rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded),
+        decode=rank_decode(decode_candidates, prompt_tokens + 1),
+        workers={r.info.worker_id: r for r in records},
+        degraded=degraded,
+    )
+
+
+def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[WorkerRecord]:
+    return [r for r in records if r.info.role == role]
+
+
+async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest,
+                          workers: list[WorkerRecord]) -> dict[str, int]:
+    """Leading blocks of the prompt each worker caches, hashing the prompt once per block size."""
+    matched: dict[str, int] = {}
+    for block_size in sorted({w.info.block_size for w in workers}):
+        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt)
+        found = await registry.match_prefix(chain)
+        matched.update({w.info.worker_id: found.get(w.info.worker_id, 0)
+                        for w in workers if w.info.block_size == block_size})
+    return matched
+
+
+def _candidate(registry: WorkerRegistry, inflight: InflightTable, record: WorkerRecord,
+               cached_blocks: int = 0) -> Candidate:
+    worker_id = record.info.worker_id
+    reported_at = registry.last_seen(worker_id) or 0.0
+    return Candidate(
+        worker_id=worker_id,
+        block_size=record.info.block_size,
+        free_blocks=record.load.free_blocks - inflight.reserved_since(worker_id, reported_at),
+        running=inflight.running(worker_id),
+        queued_prefill_tokens=inflight.queued_prefill_tokens(worker_id),
+        cached_blocks=cached_blocks,
+    )
+
+
+def _no_worker_message(model: str, live: list[WorkerRecord], prefill: list[WorkerRecord]) -> str:
+    missing = "decode" if prefill else "prefill (or colocated)"
+    served = sorted({r.info.model for r in live})
+    known = f"live workers serve {', '.join(map(repr, served))}" if served else "no worker is registered"
+    return f"no live {missing} worker serves model {model!r} ({known}); start one or retry later"

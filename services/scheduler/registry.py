@@ -1,0 +1,152 @@
+"""The worker registry on the Store: registrations, TTL heartbeats, block reports, live workers.
+
+A worker is live while the store lists it, or while this scheduler received its registration or
+heartbeat within the TTL, and it was not dropped (lost, or deregistered) since it last registered.
+The local mirror of registrations is the "last known state": when the store raises
+StoreUnavailable the registry routes from it, without prefix hits, and is `degraded`; it leaves the
+store alone for STORE_RETRY_S (a hung Redis would cost its timeout on every request) and recovers
+at the first store call that succeeds after. A store that comes back empty (Redis restarted) is
+refilled from the mirror at each worker's next heartbeat, so no worker is told to register again,
+which would make it drop its running requests. Block reports made while the store is down are lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from services.common.block_hash import BlockHash
+from services.common.store import Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+STORE_RETRY_S = 1.0
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Seen:
+    record: WorkerRecord
+    at: float  # clock() of the last registration or heartbeat received here
+
+
+class WorkerRegistry:
+    """`clock` (monotonic seconds) is injectable for tests; give the store the same one."""
+
+    def __init__(self, store: Store, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.ttl = ttl
+        self._clock = clock
+        self._seen: dict[str, _Seen] = {}
+        self._dropped: set[str] = set()
+        self._live: dict[str, WorkerRecord] = {}
+        self.degraded = False
+        self._retry_at = 0.0
+
+    async def register(self, info: WorkerInfo, load: WorkerLoad) -> None:
+        """Add or replace a worker; it is live at once (also while the store is down)."""
+        self._dropped.discard(info.worker_id)
+        record = WorkerRecord(info, load)
+        self._seen[info.worker_id] = _Seen(record, self._clock())
+        self._live[info.worker_id] = record
+        await self._store_call(lambda: self.store.register_worker(info, self.ttl, load))
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        """Renew a worker; False when it must register again (unknown here, lapsed, or dropped)."""
+        seen = self._fresh(worker_id)
+        if worker_id in self._dropped:
+            return False
+        ok, known = await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
+        if not (ok and known):  # the store is down or lost it: the local mirror decides (and refills it)
+            known = seen is not None
+            if known and ok:
+                await self._store_call(lambda: self.store.register_worker(seen.record.info, self.ttl, load))
+        if known and seen is not None:
+            seen.record = WorkerRecord(seen.record.info, load)
+            seen.at = self._clock()
+        return bool(known)
+
+    def forget(self, worker_id: str) -> None:
+        """Stop routing to a worker (deregistered, lost) until it registers again. Call unregister()
+        next to take it out of the store as well."""
+        self._dropped.add(worker_id)
+        self._seen.pop(worker_id, None)
+        self._live.pop(worker_id, None)
+
+    async def unregister(self, worker_id: str) -> None:
+        """Remove a forgotten worker and its prefix-index blocks from the store."""
+        await self._store_call(lambda: self.store.remove_worker(worker_id))
+
+    async def report_blocks(self, worker_id: str, stored: Iterable[BlockHash], evicted: Iterable[BlockHash],
+                            reset: bool = False) -> None:
+        """Apply a worker's prefix-cache changes (reset: `stored` is its whole cache)."""
+        if worker_id in self._dropped:
+            return
+        stored, evicted = list(stored), list(evicted)
+
+        async def apply() -> None:
+            if reset:
+                await self.store.drop_worker_blocks(worker_id)
+            await self.store.add_blocks(worker_id, stored)
+            await self.store.remove_blocks(worker_id, evicted)
+
+        await self._store_call(apply)
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        """The live workers ordered by id (see the module docstring); refreshes snapshot()."""
+        ok, listed = await self._store_call(self.store.list_workers)
+        records = {r.info.worker_id: r for r in listed} if ok else {}
+        for worker_id in list(self._seen):
+            if worker_id not in records and (seen := self._fresh(worker_id)) is not None:
+                records[worker_id] = seen.record
+        self._live = {w: records[w] for w in sorted(records) if w not in self._dropped}
+        return list(self._live.values())
+
+    def snapshot(self) -> list[WorkerRecord]:
+        """The live workers as of the last live_workers() or register(), without asking the store."""
+        return list(self._live.values())
+
+    async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker caches; {} while the store is down (degraded routing)."""
+        if not hashes:
+            return {}
+        ok, matched = await self._store_call(lambda: self.store.match_prefix(hashes))
+        return matched if ok else {}
+
+    def last_seen(self, worker_id: str) -> float | None:
+        """clock() of the worker's last registration or heartbeat received here, None if none."""
+        seen = self._seen.get(worker_id)
+        return None if seen is None else seen.at
+
+    def heartbeat_age(self, worker_id: str) -> float | None:
+        at = self.last_seen(worker_id)
+        return None if at is None else self._clock() - at
+
+    def _fresh(self, worker_id: str) -> _Seen | None:
+        """The worker's local entry if its last registration or heartbeat here is within the TTL."""
+        seen = self._seen.get(worker_id)
+        if seen is not None and self._clock() - seen.at >= self.ttl:
+            del self._seen[worker_id]
+            return None
+        return seen
+
+    async def _store_call(self, call: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        """(True, result) of a store call; (False, None) when it raised StoreUnavailable, or was
+        skipped because the store failed less than STORE_RETRY_S ago."""
+        if self.degraded and self._clock() < self._retry_at:
+            return False, None
+        try:
+            result = await call()
+        except StoreUnavailable as exc:
+            if not self.degraded:
+                log.warning("%s; routing from the last known workers, without prefix hits, until it returns", exc)
+            self.degraded = True
+            self._retry_at = self._clock() + STORE_RETRY_S
+            return False, None
+        if self.degraded:
+            log.warning("the %s store answers again: routing with the prefix index", self.store.name)
+        self.degraded = False
+        return True, result

@@ -1,0 +1,68 @@
+"""SchedulerService: validates, converts at the edge, and hands over to the dispatcher and the registry."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.block_hash import BlockHash
+from services.common.errors import InvalidRequest
+from services.scheduler.convert import info_from_pb, load_from_pb
+from services.scheduler.dispatcher import Dispatcher
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+SERVICE_NAME = "tandem.v1.SchedulerService"
+HEARTBEATS_PER_TTL = 3
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, dispatcher: Dispatcher, scheduler_id: str) -> None:
+        self._dispatcher = dispatcher
+        self._registry = dispatcher.registry
+        self._scheduler_id = scheduler_id
+
+    def Submit(self, request: scheduler_pb2.SubmitRequest,
+               context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        if not request.request_id:
+            raise InvalidRequest("request_id", "must not be empty")
+        if not request.token_ids:
+            raise InvalidRequest("token_ids", "must hold the prompt's tokens")
+        return self._dispatcher.submit(request, context)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(aborted_ids=self._dispatcher.abort(list(request.request_ids)))
+
+    async def Stats(self, request: scheduler_pb2.SchedulerStatsRequest, context) -> scheduler_pb2.SchedulerStats:
+        return await self._dispatcher.stats(request.recent_routes)
+
+    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
+                             context) -> scheduler_pb2.RegisterWorkerResponse:
+        info = info_from_pb(request.worker)
+        await self._registry.register(info, load_from_pb(request.worker.load))
+        self._dispatcher.worker_registered()
+        ttl_ms = round(self._registry.ttl * 1000)
+        return scheduler_pb2.RegisterWorkerResponse(
+            heartbeat_ttl_ms=ttl_ms, heartbeat_interval_ms=max(1, ttl_ms // HEARTBEATS_PER_TTL),
+            policy=scheduler_pb2.BatchPolicy(), scheduler_id=self._scheduler_id)
+
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
+        known = await self._dispatcher.heartbeat(request.worker_id, load_from_pb(request.load))
+        return scheduler_pb2.HeartbeatResponse(known=known)
+
+    async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
+                               context) -> scheduler_pb2.DeregisterWorkerResponse:
+        await self._dispatcher.worker_deregistered(request.worker_id)
+        return scheduler_pb2.DeregisterWorkerResponse()
+
+    async def ReportBlocks(self, request: scheduler_pb2.ReportBlocksRequest,
+                           context) -> scheduler_pb2.ReportBlocksResponse:
+        if not request.worker_id:
+            raise InvalidRequest("worker_id", "must not be empty")
+        await self._registry.report_blocks(request.worker_id, [BlockHash(h) for h in request.stored],
+                                           [BlockHash(h) for h in request.evicted], reset=request.reset)
+        return scheduler_pb2.ReportBlocksResponse()
+
+    async def ReportTokens(self, request_iterator: AsyncIterator[scheduler_pb2.TokenBatch],
+                           context) -> scheduler_pb2.ReportAck:
+        return scheduler_pb2.ReportAck(batches=await self._dispatcher.streams.consume(request_iterator))

@@ -1,0 +1,61 @@
+"""The scheduler's counters and recent routing decisions, and the SchedulerStats snapshot built from them."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from services.common.store import WorkerRecord
+from services.scheduler.admission import Admission
+from services.scheduler.convert import info_to_pb, load_to_pb
+from services.scheduler.registry import WorkerRegistry
+from tandem.v1 import scheduler_pb2
+
+RECENT_ROUTES = 256
+
+
+class Outcome(StrEnum):
+    """How a Submit stream ended (the counters of SchedulerStats)."""
+
+    COMPLETED = "completed"  # STOP or LENGTH
+    ABORTED = "aborted"  # Abort RPC, client gone, deadline passed
+    FAILED = "failed"  # a worker failed or was lost, no worker to serve it
+    REJECTED = "rejected"  # RESOURCE_EXHAUSTED
+
+
+@dataclass(slots=True)
+class Counters:
+    submitted: int = 0
+    outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
+    routes: deque[scheduler_pb2.RouteInfo] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
+
+    def recent_routes(self, n: int) -> list[scheduler_pb2.RouteInfo]:
+        return list(self.routes)[-n:] if n > 0 else []
+
+
+def snapshot(counters: Counters, admission: Admission, registry: WorkerRegistry, workers: list[WorkerRecord],
+             recent_routes: int) -> scheduler_pb2.SchedulerStats:
+    """The Stats RPC's answer: queue, counters, live workers and the last `recent_routes` decisions."""
+    return scheduler_pb2.SchedulerStats(
+        waiting=admission.waiting,
+        running=admission.running,
+        max_queue=admission.max_queue,
+        degraded=registry.degraded,
+        store=registry.store.name,
+        workers=[worker_status(r, registry.heartbeat_age(r.info.worker_id)) for r in workers],
+        submitted=counters.submitted,
+        completed=counters.outcomes[Outcome.COMPLETED],
+        aborted=counters.outcomes[Outcome.ABORTED],
+        failed=counters.outcomes[Outcome.FAILED],
+        rejected=counters.outcomes[Outcome.REJECTED],
+        recent_routes=counters.recent_routes(recent_routes),
+    )
+
+
+def worker_status(record: WorkerRecord, heartbeat_age_s: float | None) -> scheduler_pb2.WorkerStatus:
+    return scheduler_pb2.WorkerStatus(
+        info=info_to_pb(record.info, record.load),
+        load=load_to_pb(record.load),
+        heartbeat_age_ms=0.0 if heartbeat_age_s is None else heartbeat_age_s * 1000,
+    )

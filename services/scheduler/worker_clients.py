@@ -1,0 +1,70 @@
+"""Outgoing calls to workers: one grpc.aio channel per worker address, kept open, and the metadata
+(W3C trace context of the request's span, internal token) every call carries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import DeadlineExceeded, TandemError, Unavailable, error_from_rpc
+from services.common.grpc_server import INTERNAL_TOKEN_KEY, MAX_MESSAGE_BYTES
+from services.common.store import WorkerRecord
+from services.common.tracing import inject_metadata
+from tandem.v1 import worker_pb2_grpc
+
+_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+class WorkerClients:
+    def __init__(self, internal_token: str | None = None) -> None:
+        self._internal_token = internal_token
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def prefill(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
+        return worker_pb2_grpc.PrefillServiceStub(self._channel(address))
+
+    def decode(self, address: str) -> worker_pb2_grpc.DecodeServiceStub:
+        return worker_pb2_grpc.DecodeServiceStub(self._channel(address))
+
+    def colocated(self, address: str) -> worker_pb2_grpc.ColocatedServiceStub:
+        return worker_pb2_grpc.ColocatedServiceStub(self._channel(address))
+
+    def metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
+        """For a call made on behalf of the request whose span is `span` (its child on the worker)."""
+        pairs = inject_metadata(trace.set_span_in_context(span))
+        if self._internal_token:
+            pairs.append((INTERNAL_TOKEN_KEY, self._internal_token))
+        return tuple(pairs)
+
+    async def forget(self, address: str) -> None:
+        """Close the channel to a lost worker, so a worker restarted there gets a fresh connection."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(channel.close(grace=None) for channel in channels))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        return channel
+
+
+def worker_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, call: str) -> TandemError:
+    """The domain error of a failed call to a worker: its status kept (with a retry hint), the
+    worker named when it could not be reached."""
+    code, details = error.code(), error.details() or ""
+    where = f"{worker.info.role} worker {worker.info.worker_id} at {worker.info.address}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{call} on {where} failed ({code.name}: {details}); retry the request")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"the request's deadline passed during {call} on {where}")
+    return error_from_rpc(error)

@@ -1,0 +1,96 @@
+"""The worker registry: TTL heartbeats (fake clock), dropped workers, and the degraded mode when
+the store raises StoreUnavailable: last known workers, no prefix hits, recovery, refill."""
+
+from __future__ import annotations
+
+from services.common.block_hash import hash_chain
+from services.common.store import WorkerInfo, WorkerLoad, WorkerRole
+from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
+from tests.flaky_store import FlakyStore
+
+TTL = 5.0
+BLOCK = 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def info(worker_id: str, role: WorkerRole = WorkerRole.PREFILL) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{5000 + len(worker_id)}", model="smol",
+                      num_blocks=64, block_size=BLOCK)
+
+
+def setup() -> tuple[FakeClock, FlakyStore, WorkerRegistry]:
+    clock = FakeClock()
+    store = FlakyStore(clock)
+    return clock, store, WorkerRegistry(store, TTL, clock)
+
+
+async def ids(registry: WorkerRegistry) -> list[str]:
+    return [r.info.worker_id for r in await registry.live_workers()]
+
+
+async def test_a_worker_whose_heartbeat_lapses_leaves_and_must_register_again() -> None:
+    clock, _, registry = setup()
+    await registry.register(info("p-0"), WorkerLoad())
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    clock.now += 4.0
+    assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=7))
+    clock.now += 2.0  # p-0: 6 s since its registration, d-0: 2 s since its heartbeat
+    records = await registry.live_workers()
+    assert [(r.info.worker_id, r.load.free_blocks) for r in records] == [("d-0", 7)]
+    assert await registry.heartbeat("p-0", WorkerLoad()) is False
+    assert registry.heartbeat_age("d-0") == 2.0 and registry.heartbeat_age("p-0") is None
+
+
+async def test_a_dropped_worker_is_not_routed_to_until_it_registers_again() -> None:
+    _, _, registry = setup()
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    registry.forget("d-0")
+    await registry.unregister("d-0")
+    assert await ids(registry) == []
+    assert await registry.heartbeat("d-0", WorkerLoad()) is False
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    assert await ids(registry) == ["d-0"]
+
+
+async def test_store_down_keeps_the_last_known_workers_without_prefix_hits_then_recovers() -> None:
+    clock, store, registry = setup()
+    await registry.register(info("p-0"), WorkerLoad())
+    await registry.register(info("p-1"), WorkerLoad())
+    chain = hash_chain(list(range(3 * BLOCK)), BLOCK)
+    await registry.report_blocks("p-1", chain, [])
+    assert await registry.match_prefix(chain) == {"p-1": 3} and not registry.degraded
+
+    store.down = True
+    assert await ids(registry) == ["p-0", "p-1"] and registry.degraded
+    assert await registry.match_prefix(chain) == {}
+    clock.now += 3.0
+    assert await registry.heartbeat("p-1", WorkerLoad(running=2)) is True  # known from the local mirror
+    await registry.register(info("p-2"), WorkerLoad())  # joins while the store is down
+    clock.now += 2.0  # p-0 never heartbeated: lapsed here too
+    records = await registry.live_workers()
+    assert [(r.info.worker_id, r.load.running) for r in records] == [("p-1", 2), ("p-2", 0)]
+
+    store.down = False
+    assert await registry.match_prefix(chain) == {}  # the store is left alone for a while after a failure
+    clock.now += STORE_RETRY_S
+    assert await registry.match_prefix(chain) == {"p-1": 3} and not registry.degraded
+    # p-2 registered during the outage: the store never heard of it, its next heartbeat fills it in.
+    assert await registry.heartbeat("p-2", WorkerLoad()) is True
+    assert [r.info.worker_id for r in await store.list_workers()] == ["p-2"]
+    assert await ids(registry) == ["p-1", "p-2"]
+
+
+async def test_a_store_that_comes_back_empty_is_refilled_without_reregistration() -> None:
+    clock, _, registry = setup()
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    registry.store = FlakyStore(clock)  # Redis restarted with no data
+    assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=9)) is True
+    records = await registry.store.list_workers()
+    assert [(r.info.worker_id, r.load.free_blocks) for r in records] == [("d-0", 9)]

@@ -1,0 +1,514 @@
+"""The scheduler as a real grpc.aio server on loopback, with fake workers on their own ports:
+the disaggregated and colocated flows, reservations, queue limits, aborts, deadlines, worker loss
+(token stream broken, heartbeat lapsed), the degraded store, and `tandem scheduler` + `tandem health`.
+
+A fake worker generates token i = 1000 + i. Its prefill reports token 0 on its ReportTokens
+stream and has the decode worker report the rest on its own; `hold` keeps a decode worker from
+finishing (it reports token 1 only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from services.common.errors import Overloaded
+from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
+from services.common.health_cli import wait_until_serving
+from services.common.store import EmbeddedStore, Store
+from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
+from services.scheduler.worker_clients import WorkerClients
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.redis_store import RedisStore
+from tests.flaky_store import FlakyStore
+from tests.redis_fixture import RedisServer, free_port, private_redis  # noqa: F401 (fixture)
+
+TOKEN = "s3cret"
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_METADATA = ((INTERNAL_TOKEN_KEY, TOKEN), ("traceparent", f"00-{TRACE_ID}-b7ad6b7169203331-01"))
+MODEL = "smol"
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+ABORT = common_pb2.FINISH_REASON_ABORT
+ROLES = {"p": common_pb2.WORKER_ROLE_PREFILL, "d": common_pb2.WORKER_ROLE_DECODE,
+         "c": common_pb2.WORKER_ROLE_COLOCATED}
+
+
+def token(i: int) -> int:
+    return 1000 + i
+
+
+@dataclass
+class Call:
+    worker: str
+    method: str
+    request: object
+    metadata: dict[str, str]
+
+
+@dataclass
+class FakeWorker:
+    """One worker of any role: records every call, reports tokens on its own ReportTokens stream."""
+
+    worker_id: str
+    mesh: Mesh
+    free_blocks: int = 100
+    hold: bool = False  # decode: report token 1, then nothing
+    hold_prefill: bool = False  # prefill: never return, never report
+    late_first_token: bool = False  # prefill: report token 0 after the decode worker's tokens
+    address: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+    async def start(self) -> None:
+        self.server = create_server("127.0.0.1", 0, internal_token=TOKEN)
+        services = {"p": worker_pb2_grpc.add_PrefillServiceServicer_to_server,
+                    "d": worker_pb2_grpc.add_DecodeServiceServicer_to_server,
+                    "c": worker_pb2_grpc.add_ColocatedServiceServicer_to_server}
+        self.server.add_service("worker", services[self.worker_id[0]], self)
+        await self.server.start()
+        self.address = f"127.0.0.1:{self.server.port}"
+        self.channel = grpc.aio.insecure_channel(self.mesh.address)
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self.batches: asyncio.Queue[scheduler_pb2.TokenBatch] = asyncio.Queue()
+        self.report()  # the stream opens with the worker's id
+        self.stream = self.stub.ReportTokens(self._batches(), metadata=CLIENT_METADATA)
+        info = scheduler_pb2.WorkerInfo(worker_id=self.worker_id, role=ROLES[self.worker_id[0]],
+                                        address=self.address, model=MODEL, num_blocks=1000, block_size=16,
+                                        load=scheduler_pb2.WorkerLoad(free_blocks=self.free_blocks))
+        await self.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
+        self.heartbeats = asyncio.create_task(self._heartbeats())
+
+    def report(self, *events: scheduler_pb2.TokenEvent) -> None:
+        self.batches.put_nowait(scheduler_pb2.TokenBatch(worker_id=self.worker_id, events=events))
+
+    async def heartbeat(self) -> bool:
+        request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id,
+                                                 load=scheduler_pb2.WorkerLoad(free_blocks=self.free_blocks))
+        return (await self.stub.Heartbeat(request, metadata=CLIENT_METADATA)).known
+
+    async def kill(self) -> None:
+        """As SIGKILL looks to the scheduler: the token stream breaks, the server goes away."""
+        self.heartbeats.cancel()
+        self.stream.cancel()
+        await self.server.stop(0)
+
+    async def close(self) -> None:
+        self.heartbeats.cancel()
+        self.stream.cancel()
+        await self.channel.close()
+        await self.server.stop(0)
+
+    async def _batches(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+        while True:
+            yield await self.batches.get()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.mesh.ttl / 4)
+            await self.heartbeat()
+
+    def _record(self, method: str, request, context) -> None:
+        self.calls.append(Call(self.worker_id, method, request, dict(context.invocation_metadata())))
+        self.mesh.order.append(f"{self.worker_id} {method}")
+
+    def called(self, method: str) -> list:
+        return [c.request for c in self.calls if c.method == method]
+
+    def generate(self, request_id: str, prompt_tokens: int, max_tokens: int, start: int) -> None:
+        """Report tokens start..max_tokens-1: all at once, or token `start` only when holding."""
+        end = start + 1 if self.hold else max_tokens
+        for i in range(start, end):
+            event = scheduler_pb2.TokenEvent(request_id=request_id, output_offset=i, token_ids=[token(i)])
+            if i == max_tokens - 1:
+                event.finish_reason = LENGTH
+                event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=max_tokens))
+            self.report(event)
+
+    # -- the worker services ---------------------------------------------------------------------
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        self._record("Prefill", request, context)
+        if self.hold_prefill:
+            await asyncio.Event().wait()
+        max_tokens, prompt = request.sampling.max_tokens, len(request.token_ids)
+        first = scheduler_pb2.TokenEvent(request_id=request.request_id, output_offset=0, token_ids=[token(0)])
+        finished = max_tokens == 1
+        if finished:
+            first.finish_reason = LENGTH
+            first.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt, completion_tokens=1))
+        if not self.late_first_token:
+            self.report(first)
+        if not finished:
+            decode = self.mesh.by_address(request.decode_address)
+            decode.generate(request.request_id, prompt, max_tokens, start=1)
+        if self.late_first_token:
+            await asyncio.sleep(0.05)
+            self.report(first)
+        return worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=token(0),
+                                          prompt_tokens=prompt, finish_reason=first.finish_reason)
+
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context) -> worker_pb2.ReserveResponse:
+        self._record("Reserve", request, context)
+        blocks = -(-request.num_tokens // 16)
+        if blocks > self.free_blocks:
+            raise Overloaded(f"{self.worker_id}: {self.free_blocks} free blocks", retry_after=2.0)
+        return worker_pb2.ReserveResponse(block_ids=list(range(10, 10 + blocks)), free_blocks=self.free_blocks,
+                                          block_size=16)
+
+    async def Release(self, request: worker_pb2.ReleaseRequest, context) -> worker_pb2.ReleaseResponse:
+        self._record("Release", request, context)
+        return worker_pb2.ReleaseResponse()
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        self._record("Abort", request, context)
+        return common_pb2.AbortResponse(aborted_ids=request.request_ids)
+
+    async def Stats(self, request: worker_pb2.WorkerStatsRequest, context) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(worker_id=self.worker_id)
+
+    async def Run(self, request: worker_pb2.RunRequest, context) -> worker_pb2.RunResponse:
+        self._record("Run", request, context)
+        self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0)
+        return worker_pb2.RunResponse(request_id=request.request_id)
+
+
+@dataclass
+class Mesh:
+    address: str
+    dispatcher: Dispatcher
+    stub: scheduler_pb2_grpc.SchedulerServiceStub
+    ttl: float
+    workers: dict[str, FakeWorker] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+
+    async def add(self, worker_id: str, **options) -> FakeWorker:
+        worker = FakeWorker(worker_id, self, **options)
+        await worker.start()
+        self.workers[worker_id] = worker
+        return worker
+
+    def by_address(self, address: str) -> FakeWorker:
+        return next(w for w in self.workers.values() if w.address == address)
+
+    def submit(self, request_id: str, prompt_tokens: int = 20, max_tokens: int = 4, seed: int | None = None,
+               **fields):
+        request = scheduler_pb2.SubmitRequest(
+            request_id=request_id, model=MODEL, token_ids=list(range(200, 200 + prompt_tokens)),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, seed=seed), **fields)
+        return self.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+
+    async def stats(self) -> scheduler_pb2.SchedulerStats:
+        return await self.stub.Stats(scheduler_pb2.SchedulerStatsRequest(recent_routes=8), metadata=CLIENT_METADATA)
+
+    async def recovered(self, timeout: float = 3.0) -> scheduler_pb2.SchedulerStats:
+        """Stats once the scheduler is no longer degraded (it retries the store every second)."""
+        deadline = time.monotonic() + timeout
+        while (stats := await self.stats()).degraded:
+            assert time.monotonic() < deadline, "the scheduler did not recover from the store outage"
+            await asyncio.sleep(0.05)
+        return stats
+
+    async def idle(self, timeout: float = 2.0) -> scheduler_pb2.SchedulerStats:
+        """Stats once the scheduler holds no request (fails after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = await self.stats()
+            if stats.running == stats.waiting == len(self.dispatcher.inflight) == 0:
+                return stats
+            assert time.monotonic() < deadline, f"scheduler still holds requests: {stats}"
+            await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
+                    store: Store | None = None, **options) -> AsyncIterator[Mesh]:
+    """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered."""
+    registry = WorkerRegistry(store or EmbeddedStore(), ttl)
+    dispatcher = Dispatcher(registry, WorkerClients(TOKEN), max_queue=max_queue, max_running=max_running)
+    server = create_server("127.0.0.1", 0, internal_token=TOKEN)
+    server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                       SchedulerServicer(dispatcher, scheduler_id="test"))
+    await server.start()
+    dispatcher.start(ttl / 5)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    mesh = Mesh(f"127.0.0.1:{server.port}", dispatcher, scheduler_pb2_grpc.SchedulerServiceStub(channel), ttl)
+    try:
+        for worker_id in workers:
+            await mesh.add(worker_id, **options.get(worker_id, {}))
+        yield mesh
+    finally:
+        for worker in mesh.workers.values():
+            await worker.close()
+        await channel.close()
+        await dispatcher.close()
+        await server.stop(0)
+
+
+async def until(predicate, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def rest(call) -> list[scheduler_pb2.TokenEvent]:
+    """The remaining events of a Submit call read with read() (gRPC forbids mixing it with `async for`)."""
+    events = []
+    while (event := await call.read()) is not grpc.aio.EOF:
+        events.append(event)
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+# -- the flows -----------------------------------------------------------------------------------------
+
+async def test_disaggregated_request_reserves_first_then_prefills_and_relays_in_order() -> None:
+    async with scheduler("p-0", "d-0", **{"p-0": dict(late_first_token=True)}) as mesh:
+        events = [e async for e in mesh.submit("r1", prompt_tokens=20, max_tokens=4)]
+        prefill, decode = mesh.workers["p-0"], mesh.workers["d-0"]
+
+        assert tokens_of(events) == [token(0), token(1), token(2), token(3)]
+        assert [e.output_offset for e in events] == [0, 1, 2, 3]
+        assert (events[0].route.prefill_worker_id, events[0].route.decode_worker_id) == ("p-0", "d-0")
+        assert events[0].route.reserved_blocks == 2 and not events[1].HasField("route")
+        assert events[-1].finish_reason == LENGTH and events[-1].usage.completion_tokens == 4
+        assert events[-1].timings.total_ms > 0
+
+        assert mesh.order[:2] == ["d-0 Reserve", "p-0 Prefill"]
+        (reserve,) = decode.called("Reserve")
+        (request,) = prefill.called("Prefill")
+        assert reserve.num_tokens == 21  # the prompt and the first token's slot
+        assert (list(request.decode_block_ids), request.decode_address) == ([10, 11], decode.address)
+        assert request.seed > 0 and request.sampling.seed == request.seed
+        for call in prefill.calls + decode.calls:
+            assert call.metadata["traceparent"].split("-")[1] == TRACE_ID
+        assert decode.called("Release") == [] and decode.called("Abort") == []
+
+        stats = await mesh.idle()
+        assert (stats.submitted, stats.completed, stats.failed) == (1, 1, 0)
+        assert [r.request_id for r in stats.recent_routes] == ["r1"]
+        assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"] and stats.store == "embedded"
+
+
+async def test_a_request_ended_by_its_first_token_releases_its_reservation() -> None:
+    async with scheduler("p-0", "d-0") as mesh:
+        events = [e async for e in mesh.submit("r1", max_tokens=1)]
+        assert tokens_of(events) == [token(0)] and events[-1].finish_reason == LENGTH
+        await until(lambda: mesh.workers["d-0"].called("Release"))
+        assert [r.request_id for r in mesh.workers["d-0"].called("Release")] == ["r1"]
+        await mesh.idle()
+
+
+async def test_colocated_workers_run_the_whole_request_with_a_drawn_or_given_seed() -> None:
+    async with scheduler("c-0", "p-0", "d-0") as mesh:
+        events = [e async for e in mesh.submit("r1", max_tokens=3)]
+        assert tokens_of(events) == [token(0), token(1), token(2)]
+        assert (events[0].route.prefill_worker_id, events[0].route.decode_worker_id) == ("c-0", "")
+        [e async for e in mesh.submit("r2", max_tokens=2, seed=42)]
+        drawn, given = mesh.workers["c-0"].called("Run")
+        assert drawn.seed > 0 and drawn.sampling.seed == drawn.seed
+        assert given.seed == given.sampling.seed == 42
+        assert mesh.workers["p-0"].calls == [] and mesh.workers["d-0"].calls == []
+
+
+async def test_no_worker_for_the_model_is_unavailable() -> None:
+    async with scheduler("p-0") as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("r1")]
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live decode worker serves model 'smol'" in error.value.details()
+        stats = await mesh.idle()
+        assert stats.failed == 1
+
+
+# -- admission -----------------------------------------------------------------------------------------
+
+async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
+    async with scheduler("p-0", "d-0", max_running=1, max_queue=1, **{"d-0": dict(hold=True)}) as mesh:
+        running = mesh.submit("running")
+        assert tokens_of([await running.read()]) == [token(0)]
+        queued = mesh.submit("queued")
+        await until(lambda: mesh.dispatcher.admission.waiting == 1)
+        stats = await mesh.stats()
+        assert (stats.running, stats.waiting, stats.max_queue) == (1, 1, 1)
+
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("refused")]
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting queue is full" in error.value.details()
+        assert dict(error.value.trailing_metadata())["retry-after"] == "2"  # 1 s each, 2 ahead
+
+        running.cancel()  # its slot goes to the queued request
+        assert tokens_of([await queued.read()]) == [token(0)]
+        queued.cancel()
+        stats = await mesh.idle()
+        assert (stats.submitted, stats.rejected, stats.aborted) == (3, 1, 2)
+
+
+async def test_no_decode_worker_with_room_is_resource_exhausted() -> None:
+    async with scheduler("p-0", "d-0", "d-1", **{"d-0": dict(free_blocks=1), "d-1": dict(free_blocks=1)}) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("big", prompt_tokens=40)]
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(error.value.trailing_metadata())["retry-after"] == "2"
+        assert len(mesh.workers["d-0"].called("Reserve")) == len(mesh.workers["d-1"].called("Reserve")) == 1
+        assert mesh.workers["p-0"].calls == []
+
+
+# -- aborts and deadlines ------------------------------------------------------------------------------
+
+async def test_cancelling_submit_aborts_the_request_on_both_workers() -> None:
+    async with scheduler("p-0", "d-0", **{"p-0": dict(hold_prefill=True)}) as mesh:
+        call = mesh.submit("r1")
+        await until(lambda: mesh.workers["p-0"].called("Prefill"))
+        call.cancel()
+        await until(lambda: mesh.workers["p-0"].called("Abort") and mesh.workers["d-0"].called("Abort"))
+        assert mesh.workers["d-0"].called("Abort")[0].request_ids == ["r1"]
+        stats = await mesh.idle()
+        assert stats.aborted == 1
+
+
+async def test_abort_rpc_ends_the_stream_with_finish_abort() -> None:
+    async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1")
+        await call.read()
+        response = await mesh.stub.Abort(common_pb2.AbortRequest(request_ids=["r1", "unknown"]),
+                                         metadata=CLIENT_METADATA)
+        assert list(response.aborted_ids) == ["r1"]
+        assert (await rest(call))[-1].finish_reason == ABORT
+        await until(lambda: mesh.workers["d-0"].called("Abort"))
+        assert (await mesh.idle()).aborted == 1
+
+
+async def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_workers() -> None:
+    async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1", deadline_unix_ms=int(time.time() * 1000) + 300)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in call]
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: mesh.workers["d-0"].called("Abort"))
+        assert mesh.workers["d-0"].called("Abort")[0].reason == "deadline passed"
+
+
+async def test_a_worker_error_event_becomes_the_submit_status() -> None:
+    async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1")
+        await call.read()
+        mesh.workers["d-0"].report(scheduler_pb2.TokenEvent(
+            request_id="r1", output_offset=2, finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error=common_pb2.RequestError(code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="bad KV")))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(call)
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, "bad KV")
+        assert (await mesh.idle()).failed == 1
+
+
+# -- worker loss ---------------------------------------------------------------------------------------
+
+async def test_a_broken_token_stream_fails_the_workers_requests_at_once_and_drops_it() -> None:
+    options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
+    async with scheduler("p-0", "d-0", "d-1", **options) as mesh:
+        call = mesh.submit("doomed")
+        await call.read()
+        await call.read()
+        victim = mesh.workers["d-0"]
+        await victim.kill()
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(call)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker d-0 was lost (its token stream closed)" in error.value.details()
+        assert time.monotonic() - killed_at < 2.0
+
+        stats = await mesh.idle()
+        assert [w.info.worker_id for w in stats.workers] == ["d-1", "p-0"] and stats.failed == 1
+        assert await victim.heartbeat() is False  # it must register again
+        events = [e async for e in mesh.submit("next")]
+        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+
+
+async def test_a_lapsed_heartbeat_fails_the_workers_requests_and_drops_it() -> None:
+    async with scheduler("p-0", "d-0", ttl=1.0, **{"d-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1")
+        await call.read()
+        mesh.workers["d-0"].heartbeats.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(call)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker d-0 was lost (its heartbeat lapsed)" in error.value.details()
+        stats = await mesh.idle()
+        assert [w.info.worker_id for w in stats.workers] == ["p-0"]
+
+
+# -- the store -----------------------------------------------------------------------------------------
+
+async def test_store_down_routes_degraded_from_the_last_known_state_and_recovers() -> None:
+    store = FlakyStore()
+    async with scheduler("p-0", "d-0", store=store) as mesh:
+        store.down = True
+        events = [e async for e in mesh.submit("r1")]
+        assert events[-1].finish_reason == LENGTH
+        assert events[0].route.degraded and events[0].route.matched_prefix_blocks == 0
+        stats = await mesh.stats()
+        assert stats.degraded and stats.store == "redis"
+        assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"]
+
+        store.down = False
+        await mesh.recovered()
+        events = [e async for e in mesh.submit("r2")]
+        assert not events[0].route.degraded
+
+
+async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redis: RedisServer) -> None:
+    store = RedisStore(private_redis.url, timeout=0.5)
+    try:
+        async with scheduler("p-0", "d-0", ttl=1.0, store=store) as mesh:
+            assert not (await mesh.stats()).degraded
+            private_redis.stop()
+            events = [e async for e in mesh.submit("during")]
+            assert events[0].route.degraded and events[-1].finish_reason == LENGTH
+            assert (await mesh.stats()).degraded
+
+            private_redis.start()  # no persistence: it comes back empty
+            stats = await mesh.recovered()
+            assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"]
+            await asyncio.sleep(0.5)  # the workers' next heartbeats refill it
+            assert sorted(r.info.worker_id for r in await store.list_workers()) == ["d-0", "p-0"]
+            events = [e async for e in mesh.submit("after")]
+            assert not events[0].route.degraded and events[-1].finish_reason == LENGTH
+    finally:
+        await store.close()
+
+
+# -- the command ---------------------------------------------------------------------------------------
+
+def test_tandem_scheduler_serves_and_reports_serving(tmp_path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"TANDEM_RUN_DIR": str(tmp_path)}
+    with open(tmp_path / "scheduler.log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tandem.cli", "scheduler", "--host", "127.0.0.1",
+                                    "--port", str(port), "--metrics-port", "0"], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_serving(f"127.0.0.1:{port}", timeout=30)
+        health = subprocess.run([sys.executable, "-m", "tandem.cli", "health", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=30)
+        assert health.returncode == 0, health.stderr
+        process.terminate()
+        assert process.wait(timeout=15) == 0
+    finally:
+        process.kill()
+        process.wait()
