@@ -1,0 +1,288 @@
+"""PrefillService: computes a prompt's KV and first token, reports the token at once, then ships
+the KV to the decode worker's reserved blocks (KvTransferService.Push) and frees it here.
+
+One request's life here: queued in the engine -> prefilled (chunked, prefix cache reused) ->
+first token sampled and put on the ReportTokens stream -> KV exported layer by layer in chunks
+of at most --kv-chunk-bytes and pushed -> blocks released (full ones stay cached) -> the
+prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidRequest,
+    TandemError,
+    Unavailable,
+    error_from_rpc,
+)
+from services.common.grpc_server import remaining_timeout
+from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
+from services.common.wire import logprob_to_proto
+from services.runtime.engine import RequestOutput
+from services.runtime.kv_transfer import KvChunk, blocks_per_chunk
+from services.worker.engine_loop import StepResult
+from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
+from services.worker.servicer_base import WorkerServicerBase, check_request, engine_rejection, sampling_params
+from services.worker.transport import ChannelPool
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tandem.prefill")
+
+# Deadline of a KV push when the Prefill call itself carries none.
+PUSH_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    """A request on this worker, from admission to its response."""
+
+    tracked: TrackedRequest
+    first: asyncio.Future  # -> RequestOutput of the first token, or None when aborted first
+    push: grpc.aio.StreamUnaryCall | None = None
+    aborted: bool = False
+    transfer: worker_pb2.KvTransferStats = field(default_factory=worker_pb2.KvTransferStats)
+
+
+class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, kv_chunk_bytes: int, channels: ChannelPool) -> None:
+        super().__init__()
+        self.kv_chunk_bytes = kv_chunk_bytes
+        self._channels = channels
+        self._jobs: dict[str, PrefillJob] = {}
+
+    # -- RoleServicer -----------------------------------------------------------------------
+
+    def on_step(self, step: StepResult) -> None:
+        for output in step.outputs:
+            job = self._jobs.get(output.request_id)
+            if job is not None and not job.first.done():
+                job.first.set_result(output)
+
+    async def abort_all(self, reason: str) -> None:
+        if self._jobs:
+            log.warning("aborting %d request(s): %s", len(self._jobs), reason)
+            await self._abort(list(self._jobs))
+
+    @property
+    def num_pending(self) -> int:
+        """Requests past their first token, still transferring."""
+        return sum(1 for job in self._jobs.values() if job.first.done())
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        rid = request.request_id
+        check_request(rid, request.token_ids)
+        if not request.decode_address:
+            raise InvalidRequest("decode_address", "is empty; reserve blocks on a decode worker first")
+        if rid in self._jobs:
+            raise InvalidRequest("request_id", f"{rid!r} is already being prefilled on this worker")
+        params = sampling_params(request.sampling)
+        self._check_reservation(request)
+        parent = extract_context(context.invocation_metadata())
+        with tracer.start_as_current_span(SpanName.PREFILL, context=parent, kind=trace.SpanKind.SERVER,
+                                          attributes={Attr.REQUEST_ID: rid}) as span:
+            response = await self._prefill(request, params, context)
+            span.set_attributes({
+                Attr.PREFILL_TOKENS_CACHED: response.cached_tokens,
+                Attr.PREFILL_TOKENS_COMPUTED: response.prompt_tokens - response.cached_tokens,
+            })
+            return response
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(aborted_ids=await self._abort(request.request_ids))
+
+    # -- one request ------------------------------------------------------------------------
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, params, context) -> worker_pb2.PrefillResponse:
+        rid = request.request_id
+        ids = list(request.token_ids)
+        job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None),
+                         asyncio.get_running_loop().create_future())
+        self._jobs[rid] = job
+        self.runtime.batcher.track(job.tracked)
+        output: RequestOutput | None = None
+        done = False
+        try:
+            try:
+                await self.runtime.loop.call(lambda engine: engine.add_request(
+                    rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed))
+            except ValueError as exc:
+                raise engine_rejection(exc) from exc
+            output = await job.first
+            # None: aborted before its first token; a final reason: the first token ended it.
+            if output is not None and not is_final(output.finish_reason) and not job.aborted:
+                await self._ship(request, job, output, context)
+                if not job.aborted:  # else the abort freed the blocks
+                    await self.runtime.loop.call(lambda engine: engine.release_prefilled(rid))
+            done = True
+        finally:
+            self._jobs.pop(rid, None)
+            self.runtime.batcher.forget(rid)
+            if not done:
+                if job.push is not None:
+                    job.push.cancel()
+                asyncio.ensure_future(self._abort_in_engine(rid))
+        await self.runtime.blocks.flush()
+        return self._response(request, job, output)
+
+    def _check_reservation(self, request: worker_pb2.PrefillRequest) -> None:
+        """The decode blocks must hold the prompt's KV in this worker's block size."""
+        if not request.decode_block_ids:
+            return
+        block_size = self.runtime.engine.blocks.block_size
+        needed = -(-len(request.token_ids) // block_size)
+        if len(request.decode_block_ids) < needed:
+            raise FailedPrecondition(
+                f"decode_block_ids: {len(request.decode_block_ids)} block(s) reserved, but the prompt's "
+                f"{len(request.token_ids)} tokens need {needed} blocks of {block_size} tokens on this worker; "
+                "prefill and decode workers must use the same block size"
+            )
+
+    async def _ship(self, request, job: PrefillJob, output: RequestOutput, context) -> None:
+        """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer."""
+        rid = request.request_id
+        max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
+        try:
+            chunks = await self.runtime.loop.call(lambda engine: engine.export_request(rid, max_bytes))
+        except ValueError as exc:  # max_chunk_bytes below one block of one layer
+            raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
+        header = self._header(request, job, output, max_bytes)
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
+        started = time.monotonic()
+        with tracer.start_as_current_span(SpanName.KV_SEND, attributes={Attr.KV_PEER: request.decode_address}) as span:
+            job.push = stub.Push(self._messages(rid, header, chunks, job.transfer),
+                                 timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
+                                 metadata=(*inject_metadata(), *self._channels.metadata))
+            ack = await self._await_push(job, request.decode_address)
+            seconds = time.monotonic() - started
+            job.transfer.duration_ms = seconds * 1000
+            span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
+                                                       job.transfer.chunks, seconds))
+        self.runtime.counters.kv_bytes_sent += job.transfer.bytes
+        if self.runtime.metrics is not None:
+            self.runtime.metrics.kv_transfer_bytes.inc(job.transfer.bytes)
+            self.runtime.metrics.kv_transfer_time.observe(seconds)
+        if ack is not None and not ack.admitted and not job.aborted:
+            raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
+                              "transfer (its reservation was aborted or expired)")
+
+    async def _await_push(self, job: PrefillJob, address: str) -> kv_transfer_pb2.PushAck | None:
+        assert job.push is not None
+        try:
+            return await job.push
+        except asyncio.CancelledError:
+            if job.aborted:  # our own Abort cancelled the call
+                return None
+            raise
+        except grpc.aio.AioRpcError as error:
+            if job.aborted and error.code() == grpc.StatusCode.CANCELLED:
+                return None
+            raise _transfer_error(error, address) from error
+
+    def _header(self, request, job: PrefillJob, output: RequestOutput, max_bytes: int) -> kv_transfer_pb2.KvRequestHeader:
+        engine = self.runtime.engine
+        num_blocks = -(-len(request.token_ids) // engine.blocks.block_size)
+        per_chunk = blocks_per_chunk(engine.cache, max_bytes)
+        return kv_transfer_pb2.KvRequestHeader(
+            prompt_token_ids=request.token_ids,
+            output_token_ids=output.new_token_ids,
+            sampling=request.sampling,
+            seed=request.seed,
+            cache_salt=request.cache_salt,
+            num_chunks=engine.cache.num_layers * -(-num_blocks // per_chunk),
+            cached_tokens=output.num_cached_tokens,
+            timings=job.tracked.timings,
+        )
+
+    @staticmethod
+    async def _messages(rid: str, header: kv_transfer_pb2.KvRequestHeader, chunks: Iterator[KvChunk],
+                        stats: worker_pb2.KvTransferStats) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+        """The chunks as wire messages, the header on the first; exported off the event loop."""
+        blocks = 0
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            message = kv_transfer_pb2.KvChunk(
+                request_id=rid, layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
+                dtype=chunk.dtype, shape=chunk.shape, data=chunk.data,
+            )
+            if stats.chunks == 0:
+                message.header.CopyFrom(header)
+            stats.chunks += 1
+            stats.bytes += len(chunk.data)
+            blocks = max(blocks, chunk.first_block + chunk.num_blocks)
+            stats.blocks = blocks
+            yield message
+
+    def _response(self, request, job: PrefillJob, output: RequestOutput | None) -> worker_pb2.PrefillResponse:
+        tracked = job.tracked
+        reason = common_pb2.FINISH_REASON_ABORT if job.aborted or output is None else finish_reason_to_proto(
+            output.finish_reason)
+        response = worker_pb2.PrefillResponse(
+            request_id=request.request_id,
+            prompt_tokens=len(request.token_ids),
+            finish_reason=reason,
+            transfer=job.transfer,
+            timings=worker_pb2.PrefillTimings(
+                queue_ms=ms_between(tracked.arrival_ns, tracked.started_ns),
+                compute_ms=ms_between(tracked.started_ns, tracked.first_token_ns),
+                time_to_first_token_ms=ms_between(tracked.arrival_ns, tracked.first_token_ns),
+                transfer_ms=job.transfer.duration_ms,
+                total_ms=ms_between(tracked.arrival_ns, time.time_ns()),
+            ),
+        )
+        if output is not None:
+            response.first_token_id = output.new_token_ids[0]
+            response.cached_tokens = output.num_cached_tokens
+            if tracked.logprobs:
+                sampled = output.new_logprobs[0]
+                response.first_logprob.CopyFrom(logprob_to_proto(sampled.token_id, sampled.logprob,
+                                                                 sampled.top_logprobs))
+        return response
+
+    # -- aborts -----------------------------------------------------------------------------
+
+    async def _abort(self, request_ids) -> list[str]:
+        known = []
+        for rid in request_ids:
+            job = self._jobs.get(rid)
+            if job is None:
+                continue
+            known.append(rid)
+            job.aborted = True
+            if not job.first.done():
+                job.first.set_result(None)
+            if job.push is not None:
+                job.push.cancel()
+        in_engine = await self.abort_requests(request_ids)
+        return list(dict.fromkeys([*known, *in_engine]))
+
+    async def _abort_in_engine(self, rid: str) -> None:
+        try:
+            await self.abort_requests([rid])
+        except RuntimeError:  # the engine loop stopped: nothing left to free
+            pass
+
+
+def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:
+    """What the scheduler hears when the push failed: the decode worker lost, or refusing the KV."""
+    code, details = error.code(), error.details()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"cannot reach decode worker {address} to ship the KV: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"the KV transfer to {address} ran past the request's deadline")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return FailedPrecondition(f"decode worker {address} refused the KV: {details}; do both workers "
+                                  "serve the same model with the same block size and dtype?")
+    return error_from_rpc(error)

@@ -1,0 +1,101 @@
+"""Keeps the scheduler's prefix index true for this worker: the stored and evicted block hashes
+drained from the engine after each step, sent with ReportBlocks.
+
+It mirrors the engine's whole cache contents (stored minus evicted), so after registering again,
+or after a report was lost, it can resend everything with `reset`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import grpc
+
+from services.common.block_hash import BlockHash
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 2.0
+
+
+class BlockReporter:
+    """Call `note` with each step's drained events (on the asyncio loop), then `flush` to report them."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel | None,
+        worker_id: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel) if channel is not None else None
+        self._worker_id = worker_id
+        self._metadata = metadata
+        self.cached: set[BlockHash] = set()
+        self._stored: dict[BlockHash, None] = {}
+        self._evicted: dict[BlockHash, None] = {}
+        self._needs_reset = False
+        self._lock = asyncio.Lock()
+        self._flushing: asyncio.Task | None = None
+
+    def note(self, stored: Iterable[BlockHash], evicted: Iterable[BlockHash]) -> None:
+        """Apply drained events to the mirror and to the pending report (net changes)."""
+        for block_hash in stored:
+            self.cached.add(block_hash)
+            _record(block_hash, undo=self._evicted, record=self._stored)
+        for block_hash in evicted:
+            self.cached.discard(block_hash)
+            _record(block_hash, undo=self._stored, record=self._evicted)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._stored or self._evicted or self._needs_reset)
+
+    def flush_soon(self) -> None:
+        """Start a flush in the background unless one is already on its way."""
+        if self._stub is None or not self.pending:
+            return
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.create_task(self.flush(), name="report-blocks")
+
+    async def flush(self) -> None:
+        """Report the pending changes (or everything, after a failure or `reset`)."""
+        if self._stub is None:
+            return
+        async with self._lock:
+            while self.pending:  # events noted during a report go out right after it
+                request = self._take_request()
+                try:
+                    await self._stub.ReportBlocks(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+                except grpc.aio.AioRpcError as error:
+                    log.warning("ReportBlocks failed (%s); the next report resends the whole cache",
+                                error.code().name)
+                    self._needs_reset = True
+                    return
+
+    async def reset(self) -> None:
+        """Resend the whole cache contents, replacing what the scheduler's index knew."""
+        self._needs_reset = True
+        await self.flush()
+
+    def _take_request(self) -> scheduler_pb2.ReportBlocksRequest:
+        if self._needs_reset:
+            request = scheduler_pb2.ReportBlocksRequest(worker_id=self._worker_id, stored=sorted(self.cached),
+                                                        reset=True)
+        else:
+            request = scheduler_pb2.ReportBlocksRequest(worker_id=self._worker_id, stored=list(self._stored),
+                                                        evicted=list(self._evicted))
+        self._stored.clear()
+        self._evicted.clear()
+        self._needs_reset = False
+        return request
+
+
+def _record(block_hash: BlockHash, undo: dict[BlockHash, None], record: dict[BlockHash, None]) -> None:
+    """A hash stored then evicted before a report (or the reverse) cancels out."""
+    if block_hash in undo:
+        del undo[block_hash]
+    else:
+        record[block_hash] = None

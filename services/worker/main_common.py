@@ -1,0 +1,227 @@
+"""The command shared by `tandem prefill`, `tandem decode` and `tandem colocated`: flags (each with
+a TANDEM_* variable), the engine configuration, and the process lifecycle.
+
+Lifecycle: the gRPC server starts at once with health NOT_SERVING -> the model loads -> the
+engine thread starts -> the worker registers with the scheduler and opens its token stream ->
+SERVING. On SIGTERM/SIGINT: deregister, let running requests finish (a few seconds), abort the
+rest, close the stream, stop the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.config import add_option, env_default, from_args, parse_address, parse_size
+from services.common.grpc_server import GrpcServer, create_server
+from services.common.metrics import ServiceMetrics, start_metrics_server
+from services.common.model_store import ensure_default_model, model_name
+from services.common.tracing import setup_tracing
+from services.runtime.engine import Engine, EngineConfig
+from services.worker.runtime import WorkerIdentity, WorkerRuntime
+from services.worker.servicer_base import WorkerServicerBase
+from services.worker.transport import ChannelPool
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEDULER = "127.0.0.1:50052"
+SHUTDOWN_GRACE_S = 10.0
+_UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A worker's settings, from flags and TANDEM_* variables."""
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    advertise: str | None = None
+    scheduler: str | None = DEFAULT_SCHEDULER  # None: standalone (no registration, no token stream)
+    model: str | None = None  # None: the default model, converted on first use
+    device: str = "cpu"
+    threads: int | None = None  # None: 1 on CPU (two workers share two cores), torch's default on GPU
+    kv_memory: int = 2 << 30
+    max_batched_tokens: int = 2048
+    chunk_size: int = 512
+    kv_chunk_bytes: int = 1 << 20
+    metrics_port: int = 0  # 0: no metrics endpoint
+    attention: str = "auto"
+    worker_id: str | None = None
+    internal_token: str | None = None
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.threads if self.threads is not None else (1 if self.device == "cpu" else None)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            kv_memory_bytes=self.kv_memory,
+            max_num_batched_tokens=self.max_batched_tokens,
+            chunk_size=self.chunk_size,
+            device=self.device,
+            dtype=torch.float32 if self.device == "cpu" else torch.bfloat16,
+            attention_backend=self.attention,
+            num_threads=self.num_threads,
+        )
+
+    def advertised(self, bound_port: int) -> str:
+        """The address other services reach this worker at (loopback when bound to every interface)."""
+        if self.advertise:
+            return self.advertise
+        host = "127.0.0.1" if self.host in _UNSPECIFIED_HOSTS else self.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"{host}:{bound_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    """What differs between the three worker commands."""
+
+    name: str  # "prefill", "decode", "colocated"
+    role: int  # common_pb2.WorkerRole
+    port: int
+    metrics_port: int
+    make_servicer: Callable[[WorkerConfig, ChannelPool], WorkerServicerBase]
+    services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
+    report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
+
+
+def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
+    add_option(parser, "--host", default="0.0.0.0", help="interface to listen on")
+    add_option(parser, "--port", type=int, default=spec.port, help="gRPC port (0: any free port)")
+    add_option(parser, "--advertise", type=parse_address, metavar="HOST:PORT",
+               help="address the scheduler and other workers reach this worker at; none: host:port, "
+                    "with 127.0.0.1 for an unspecified host")
+    add_option(parser, "--scheduler", type=_scheduler_address, default=DEFAULT_SCHEDULER, metavar="HOST:PORT",
+               help="the scheduler to register with; 'none' runs standalone")
+    add_option(parser, "--model", metavar="DIR", help="HF model directory; none: the default model")
+    add_option(parser, "--device", default="cpu", help="cpu or cuda:N")
+    add_option(parser, "--threads", type=int, help="torch threads; none: 1 on CPU, torch's choice on GPU")
+    add_option(parser, "--kv-memory", type=parse_size, default="2GiB", help="memory for the KV cache")
+    add_option(parser, "--max-batched-tokens", type=int, default=2048, help="token budget of one iteration")
+    add_option(parser, "--chunk-size", type=int, default=512, help="largest prompt chunk in one iteration")
+    add_option(parser, "--kv-chunk-bytes", type=parse_size, default=1 << 20, help="largest KV chunk shipped")
+    add_option(parser, "--metrics-port", type=int, default=spec.metrics_port,
+               help="Prometheus /metrics port (0: off)")
+    add_option(parser, "--attention", default="auto", choices=("auto", "torch", "flash"),
+               help="attention backend")
+    add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
+
+
+def _scheduler_address(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none") else parse_address(text)
+
+
+def main(args: argparse.Namespace, spec: RoleSpec) -> int:
+    config = from_args(WorkerConfig, args, internal_token=env_default("TANDEM_INTERNAL_TOKEN", None))
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
+    return asyncio.run(run_worker(config, spec))
+
+
+async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
+    """Serves until SIGTERM/SIGINT or an engine failure; returns the exit status."""
+    stopping = _stop_on_signals()
+    channels = ChannelPool(config.internal_token)
+    servicer = spec.make_servicer(config, channels)
+    server = create_server(config.host, config.port, internal_token=config.internal_token)
+    for name, register in spec.services:
+        server.add_service(name, register, servicer)
+    await server.start()
+    address = config.advertised(server.port)
+    log.info("%s worker listening on %s:%d (advertised %s); loading the model", spec.name, config.host,
+             server.port, address)
+    tracing = setup_tracing(spec.name, instance=address)
+    try:
+        starting = asyncio.create_task(_start_runtime(config, spec, servicer, address, channels))
+        if not await _first_done(starting, stopping.wait()):
+            return 0
+        try:
+            runtime = starting.result()
+        except Exception as exc:  # noqa: BLE001 - reported in one line, the process exits 1
+            log.error("%s worker could not start: %s: %s", spec.name, type(exc).__name__, exc)
+            return 1
+        await server.mark_serving()
+        log.info("%s worker %s SERVING", spec.name, runtime.worker_id)
+        return await _serve_until_stopped(runtime, server, config, stopping)
+    finally:
+        await server.stop(grace=1.0)
+        await channels.close()
+        tracing.shutdown()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    return stopping
+
+
+async def _first_done(task: asyncio.Task, other: Awaitable[Any]) -> bool:
+    """Waits for `task` or `other`; True when `task` finished first (else it is cancelled)."""
+    waiter = asyncio.ensure_future(other)
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
+
+
+async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, config: WorkerConfig,
+                               stopping: asyncio.Event) -> int:
+    registry = runtime.metrics.registry if runtime.metrics is not None else None
+    metrics = start_metrics_server(config.metrics_port, registry) if config.metrics_port and registry else None
+    try:
+        await _first_done(asyncio.create_task(stopping.wait()), runtime.failed.wait())
+        log.info("stopping: leaving the registry, draining running requests (up to %.0f s)", SHUTDOWN_GRACE_S)
+        await server.mark_not_serving()
+        await runtime.stop(drain_s=SHUTDOWN_GRACE_S)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 1 if runtime.failed.is_set() else 0
+
+
+async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServicerBase, address: str,
+                         channels: ChannelPool) -> WorkerRuntime:
+    model_dir = await asyncio.to_thread(_model_dir, config.model)
+    engine = await asyncio.to_thread(_load_engine, model_dir, config)
+    identity = WorkerIdentity(
+        worker_id=config.worker_id or f"{spec.name}-{address}",
+        role=spec.role,
+        address=address,
+        model=model_name(model_dir),
+        device=config.device,
+    )
+    scheduler = channels.get(config.scheduler) if config.scheduler else None
+    runtime = WorkerRuntime(engine, identity, scheduler, channels.metadata, ServiceMetrics(identity.model, address),
+                            report_blocks=spec.report_blocks)
+    servicer.bind(runtime)
+    log.info("model %s loaded: %d KV blocks of %d tokens; registering with %s", identity.model,
+             engine.blocks.num_blocks, engine.blocks.block_size, config.scheduler or "no scheduler (standalone)")
+    await runtime.start()
+    return runtime
+
+
+def _model_dir(model: str | None) -> Path:
+    path = Path(model).expanduser() if model else ensure_default_model()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json); pass --model DIR")
+    return path
+
+
+def _load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return Engine.from_model_dir(model_dir, config.engine_config())

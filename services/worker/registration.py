@@ -1,0 +1,112 @@
+"""A worker's membership in the scheduler's registry: RegisterWorker, periodic Heartbeats with its
+load, registering again when the scheduler no longer knows it, and DeregisterWorker on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 2.0
+_RETRY_START_S = 0.1
+_RETRY_MAX_S = 2.0
+_DEFAULT_INTERVAL_S = 1.0
+
+
+class Registration:
+    """Call order: await register() -> start_heartbeats() -> await stop().
+
+    `on_reregistered` runs after the scheduler forgot the worker (TTL lapse or scheduler restart)
+    and took it back: the scheduler has failed the worker's requests by then, so the worker drops
+    them and resends its whole prefix-cache contents.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        info: scheduler_pb2.WorkerInfo,
+        load: Callable[[], scheduler_pb2.WorkerLoad],
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_reregistered: Callable[[scheduler_pb2.RegisterWorkerResponse], Awaitable[None]] | None = None,
+    ) -> None:
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self.info = info
+        self._load = load
+        self._metadata = metadata
+        self._on_reregistered = on_reregistered
+        self._task: asyncio.Task | None = None
+        self.interval_s = _DEFAULT_INTERVAL_S
+        self.response: scheduler_pb2.RegisterWorkerResponse | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    async def register(self) -> scheduler_pb2.RegisterWorkerResponse:
+        """Registers, retrying with backoff until the scheduler answers (a worker may start first)."""
+        delay = _RETRY_START_S
+        while True:
+            try:
+                return await self._register_once()
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.UNAUTHENTICATED):
+                    raise
+                log.info("scheduler not reachable yet (%s); retrying in %.1f s", error.code().name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX_S)
+
+    async def _register_once(self) -> scheduler_pb2.RegisterWorkerResponse:
+        info = scheduler_pb2.WorkerInfo()
+        info.CopyFrom(self.info)
+        info.load.CopyFrom(self._load())
+        request = scheduler_pb2.RegisterWorkerRequest(worker=info)
+        response = await self._stub.RegisterWorker(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+        self.response = response
+        if response.heartbeat_interval_ms > 0:
+            self.interval_s = response.heartbeat_interval_ms / 1000
+        log.info("registered %s as %s with scheduler %s (heartbeat every %.2f s)", self.worker_id,
+                 common_pb2.WorkerRole.Name(self.info.role), response.scheduler_id or "?", self.interval_s)
+        return response
+
+    def start_heartbeats(self) -> None:
+        self._task = asyncio.create_task(self._heartbeats(), name="heartbeats")
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if deregister:
+            request = scheduler_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
+            try:
+                await self._stub.DeregisterWorker(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+            except grpc.aio.AioRpcError as error:
+                log.warning("could not deregister %s: %s", self.worker_id, error.code().name)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.heartbeat()
+            except grpc.aio.AioRpcError as error:
+                log.warning("heartbeat failed: %s: %s", error.code().name, error.details())
+
+    async def heartbeat(self) -> bool:
+        """One heartbeat; registers again (and runs on_reregistered) when the scheduler forgot us."""
+        request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
+        timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
+        response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
+        if response.known:
+            return True
+        log.warning("the scheduler no longer knows %s; registering again", self.worker_id)
+        response = await self._register_once()
+        if self._on_reregistered is not None:
+            await self._on_reregistered(response)
+        return False

@@ -1,0 +1,110 @@
+"""The worker's one long-lived ReportTokens stream to the scheduler, fed by a queue of TokenBatches.
+
+One TokenBatch per engine iteration goes on the stream. When the stream breaks the scheduler has
+failed this worker's requests, so the queued batches are dropped, `on_lost` lets the worker abort
+what it still runs, and the reporter reconnects with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_START_S = 0.1
+_BACKOFF_MAX_S = 2.0
+
+
+class TokenReporter:
+    """Call order: start() -> send(batch)* -> stop().
+
+    The stream has no deadline on purpose: it lives as long as the worker (a scheduler that dies
+    resets the connection; one that vanishes is noticed by the heartbeats). Each (re)connection
+    opens with an empty batch carrying the worker id, so the scheduler knows the stream at once.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        worker_id: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self._worker_id = worker_id
+        self._metadata = metadata
+        self._on_lost = on_lost
+        self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.connected = asyncio.Event()
+        self.batches_sent = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="token-reporter")
+
+    def send(self, batch: scheduler_pb2.TokenBatch) -> None:
+        """Queue a batch for the stream (never blocks; the engine thread's pace is the limit)."""
+        batch.worker_id = self._worker_id
+        self._queue.put_nowait(batch)
+
+    def announce(self) -> None:
+        """Send an empty batch: tells a scheduler that forgot this worker which stream is its."""
+        self.send(scheduler_pb2.TokenBatch())
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Flush what is queued, half-close the stream and wait (at most `timeout`) for the ack."""
+        if self._task is None:
+            return
+        self._closing = True
+        self._queue.put_nowait(None)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        backoff = _BACKOFF_START_S
+        while not self._closing:
+            try:
+                await self._stream_once()
+                backoff = _BACKOFF_START_S
+            except grpc.aio.AioRpcError as error:
+                self._lost(f"{error.code().name}: {error.details()}")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _stream_once(self) -> None:
+        self.announce()
+        call = self._stub.ReportTokens(self._requests(), metadata=self._metadata)
+        ack = await call
+        log.debug("ReportTokens stream closed after %d batches", ack.batches)
+
+    async def _requests(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+        self.connected.set()
+        while True:
+            batch = await self._queue.get()
+            if batch is None:
+                return
+            yield batch
+            self.batches_sent += 1
+
+    def _lost(self, reason: str) -> None:
+        was_connected = self.connected.is_set()
+        self.connected.clear()
+        dropped = self._queue.qsize()
+        self._queue = asyncio.Queue()
+        if self._closing:
+            return
+        if was_connected:
+            log.warning("ReportTokens stream to the scheduler broke (%s); %d batch(es) dropped, reconnecting",
+                        reason, dropped)
+        if self._on_lost is not None:
+            self._on_lost()

@@ -1,0 +1,253 @@
+"""What every worker role shares around its engine: the engine thread, the token stream, the
+registry membership, the prefix-cache reports, metrics, and the load and stats it publishes.
+
+A role's servicer (prefill, decode, colocated) plugs in as a `RoleServicer`; the runtime feeds
+it each engine step after reporting the step's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import grpc
+
+from services.common.metrics import ServiceMetrics
+from services.common.wire import FINISH_REASON_FROM_PROTO
+from services.runtime.engine import Engine
+from services.worker.block_reporter import BlockReporter
+from services.worker.engine_loop import EngineLoop, EngineSnapshot, StepResult
+from services.worker.events import TokenBatcher
+from services.worker.registration import Registration
+from services.worker.reporter import TokenReporter
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RoleServicer(Protocol):
+    """The role-specific half of a worker."""
+
+    def on_step(self, step: StepResult) -> None:
+        """Called on the asyncio loop after the step's tokens were queued for the scheduler."""
+
+    async def abort_all(self, reason: str) -> None:
+        """Drop every request (the scheduler failed them: stream lost or registration expired)."""
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks held for KV transfers not yet complete (decode workers)."""
+
+    @property
+    def num_pending(self) -> int:
+        """Requests the servicer holds outside the engine's queues (reserved, transferring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_id: str
+    role: int  # common_pb2.WorkerRole
+    address: str  # advertised HOST:PORT
+    model: str
+    device: str
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    generated_tokens: int = 0
+
+
+class WorkerRuntime:
+    """Call order: attach(servicer) -> await start() -> ... -> await stop().
+
+    With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
+    reported; the worker still serves its RPCs.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        identity: WorkerIdentity,
+        scheduler: grpc.aio.Channel | None,
+        metadata: tuple[tuple[str, str], ...] = (),
+        metrics: ServiceMetrics | None = None,
+        report_blocks: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.identity = identity
+        self.metrics = metrics
+        self.counters = WorkerCounters()
+        self.batcher = TokenBatcher(identity.worker_id)
+        self.loop = EngineLoop(engine, self._on_step, self._on_failure)
+        self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
+        self.reporter = (TokenReporter(scheduler, identity.worker_id, metadata, on_lost=self._on_lost)
+                         if scheduler is not None else None)
+        self.registration = (Registration(scheduler, self.info(), self.load, metadata, self._on_reregistered)
+                             if scheduler is not None else None)
+        self.failed = asyncio.Event()
+        self._servicer: RoleServicer | None = None
+        self._started = time.monotonic()
+        self._previous = EngineSnapshot()
+
+    @property
+    def worker_id(self) -> str:
+        return self.identity.worker_id
+
+    def attach(self, servicer: RoleServicer) -> None:
+        self._servicer = servicer
+
+    async def start(self) -> None:
+        """Starts the engine thread, then registers (waiting for the scheduler) and opens the stream."""
+        self.loop.start()
+        if self.registration is None or self.reporter is None:
+            return
+        response = await self.registration.register()
+        await self.apply_policy(response.policy)
+        self.reporter.start()
+        await self.blocks.reset()
+        self.registration.start_heartbeats()
+
+    async def stop(self, drain_s: float) -> None:
+        """Leaves the registry, lets running requests finish for `drain_s`, then stops everything."""
+        if self.registration is not None:
+            await self.registration.stop(deregister=True)
+        deadline = time.monotonic() + drain_s
+        while self._busy() and time.monotonic() < deadline and not self.failed.is_set():
+            await asyncio.sleep(0.05)
+        if self._busy() and self._servicer is not None and not self.failed.is_set():
+            await self._servicer.abort_all("worker shutting down")
+        if self.reporter is not None:
+            await self.reporter.stop()
+        await self.loop.stop()
+
+    def _busy(self) -> bool:
+        snapshot = self.loop.snapshot
+        pending = self._servicer.num_pending if self._servicer is not None else 0
+        return bool(snapshot.running or snapshot.waiting or pending or self.batcher.requests)
+
+    # -- engine steps -----------------------------------------------------------------------
+
+    def _on_step(self, step: StepResult) -> None:
+        self.blocks.note(step.stored, step.evicted)
+        self.blocks.flush_soon()
+        batch = self.batcher.batch(step)
+        if batch is not None and self.reporter is not None:
+            self.reporter.send(batch)
+        self.counters.generated_tokens += sum(len(o.new_token_ids) for o in step.outputs)
+        self._update_metrics(step, batch.events if batch is not None else ())
+        if self._servicer is not None:
+            self._servicer.on_step(step)
+
+    def _on_failure(self, exc: BaseException) -> None:
+        log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
+        self.failed.set()
+
+    def _on_lost(self) -> None:
+        if self._servicer is not None:
+            asyncio.ensure_future(self._servicer.abort_all("the scheduler lost this worker's token stream"))
+
+    async def _on_reregistered(self, response: scheduler_pb2.RegisterWorkerResponse) -> None:
+        await self.apply_policy(response.policy)
+        if self._servicer is not None:
+            await self._servicer.abort_all("the scheduler had expired this worker")
+        if self.reporter is not None:
+            self.reporter.announce()
+        await self.blocks.reset()
+
+    async def apply_policy(self, policy: scheduler_pb2.BatchPolicy) -> None:
+        """The scheduler's batching policy, from the next iteration on; zero fields keep the worker's flags."""
+        fields = {"max_num_batched_tokens": policy.max_num_batched_tokens, "max_num_seqs": policy.max_num_seqs,
+                  "chunk_size": policy.chunk_size}
+        changes = {name: value for name, value in fields.items() if value > 0}
+        if not changes:
+            return
+        log.info("applying the scheduler's batch policy %s", changes)
+
+        def apply(engine: Engine) -> None:
+            engine.scheduler.limits = replace(engine.scheduler.limits, **changes)
+
+        await self.loop.call(apply)
+
+    def _update_metrics(self, step: StepResult, events: Iterable[scheduler_pb2.TokenEvent]) -> None:
+        metrics, now, before = self.metrics, step.snapshot, self._previous
+        self._previous = now
+        if metrics is None:
+            return
+        for event in events:
+            if event.output_offset == 0 and event.token_ids:
+                metrics.time_to_first_token.observe(event.timings.time_to_first_token_ms / 1000)
+            if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                metrics.request_success(FINISH_REASON_FROM_PROTO[event.finish_reason]).inc()
+                metrics.prompt_tokens.inc(event.usage.prompt_tokens)
+        metrics.num_requests_running.set(now.running)
+        metrics.num_requests_waiting.set(now.waiting)
+        metrics.kv_cache_usage.set(now.referenced_blocks / max(now.num_blocks, 1))
+        metrics.num_preemptions.inc(max(now.preemptions - before.preemptions, 0))
+        metrics.prefix_cache_queries.inc(max(now.prefix_queried_tokens - before.prefix_queried_tokens, 0))
+        metrics.prefix_cache_hits.inc(max(now.prefix_hit_tokens - before.prefix_hit_tokens, 0))
+        metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in step.outputs))
+
+    # -- what the worker publishes ----------------------------------------------------------
+
+    def info(self) -> scheduler_pb2.WorkerInfo:
+        engine = self.engine
+        cache = engine.cache
+        block_bytes = 2 * cache.num_layers * cache.k[0, 0].numel() * cache.k.element_size()
+        return scheduler_pb2.WorkerInfo(
+            worker_id=self.identity.worker_id,
+            role=self.identity.role,
+            address=self.identity.address,
+            model=self.identity.model,
+            num_blocks=engine.blocks.num_blocks,
+            block_size=engine.blocks.block_size,
+            max_model_len=engine.max_model_len,
+            kv_block_bytes=block_bytes,
+            device=self.identity.device,
+        )
+
+    def load(self) -> scheduler_pb2.WorkerLoad:
+        snapshot = self.loop.snapshot
+        servicer = self._servicer
+        return scheduler_pb2.WorkerLoad(
+            free_blocks=snapshot.allocatable_blocks,
+            cached_blocks=len(self.blocks.cached),
+            running=snapshot.running,
+            waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
+            queued_prefill_tokens=snapshot.queued_prefill_tokens,
+            reserved_blocks=servicer.reserved_blocks if servicer is not None else 0,
+        )
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        snapshot = self.loop.snapshot
+        servicer = self._servicer
+        counts = snapshot.batch_size_counts
+        histogram = [counts.get(size, 0) for size in range(max(counts, default=0) + 1)]
+        return worker_pb2.WorkerStats(
+            worker_id=self.identity.worker_id,
+            role=self.identity.role,
+            num_blocks=snapshot.num_blocks,
+            free_blocks=snapshot.allocatable_blocks - snapshot.cached_blocks,
+            cached_blocks=snapshot.cached_blocks,
+            referenced_blocks=snapshot.referenced_blocks,
+            reserved_blocks=servicer.reserved_blocks if servicer is not None else 0,
+            running=snapshot.running,
+            waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
+            iterations=snapshot.iterations,
+            last_batch_size=snapshot.last_batch_size,
+            max_batch_size=snapshot.max_batch_size,
+            batch_size_histogram=histogram,
+            preemptions=snapshot.preemptions,
+            prefix_cache_queried_tokens=snapshot.prefix_queried_tokens,
+            prefix_cache_hit_tokens=snapshot.prefix_hit_tokens,
+            kv_bytes_sent=self.counters.kv_bytes_sent,
+            kv_bytes_received=self.counters.kv_bytes_received,
+            generated_tokens=self.counters.generated_tokens,
+            uptime_s=time.monotonic() - self._started,
+        )
+

@@ -1,0 +1,546 @@
+"""The prefill, decode and colocated workers as real processes on loopback, driven the way the
+scheduler drives them: Reserve on the decode worker, Prefill with its address, tokens on the
+workers' ReportTokens streams. A recording stand-in for the scheduler runs in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.block_hash import hash_chain
+from services.common.health_cli import check, wait_until_serving
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.hf_reference import LONG_PREFIX, MAX_NEW_TOKENS, assert_matches
+
+pytestmark = [pytest.mark.timeout(300)]
+
+KV_MEMORY = "64MiB"
+NUM_BLOCKS = (64 << 20) // 737_280  # SmolLM2-135M: 30 layers x K,V x 16 tokens x 3 heads x 64 x fp32
+BLOCK_SIZE = 16
+NUM_LAYERS = 30
+BLOCK_BYTES = 737_280  # one block, all layers
+LAYER_BLOCK_BYTES = BLOCK_BYTES // NUM_LAYERS
+TANDEM = Path(sys.executable).parent / "tandem"
+GREEDY = dict(temperature=0.0)
+POLICY = scheduler_pb2.BatchPolicy(chunk_size=256)  # the workers' flag says 512
+
+
+# -- a recording scheduler ------------------------------------------------------------------
+
+
+class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """Accepts every worker and records what they send. Heartbeats of workers that did not
+    register here answer known=false, and so does the next one after `forget(worker_id)`."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.registrations: list[scheduler_pb2.WorkerInfo] = []
+        self.deregistered: list[str] = []
+        self.loads: dict[str, scheduler_pb2.WorkerLoad] = {}
+        self.block_reports: list[scheduler_pb2.ReportBlocksRequest] = []
+        self.batches: list[scheduler_pb2.TokenBatch] = []
+        self._forgotten: set[str] = set()
+
+    def _record(self, update: Callable[[], None]) -> None:
+        with self.cond:
+            update()
+            self.cond.notify_all()
+
+    def RegisterWorker(self, request, context):
+        self._record(lambda: self.registrations.append(request.worker))
+        return scheduler_pb2.RegisterWorkerResponse(heartbeat_ttl_ms=3000, heartbeat_interval_ms=200,
+                                                    policy=POLICY, scheduler_id="recording")
+
+    def Heartbeat(self, request, context):
+        with self.cond:
+            registered = any(info.worker_id == request.worker_id for info in self.registrations)
+            known = registered and request.worker_id not in self._forgotten
+            self._forgotten.discard(request.worker_id)
+            self.loads[request.worker_id] = request.load
+            self.cond.notify_all()
+        return scheduler_pb2.HeartbeatResponse(known=known)
+
+    def DeregisterWorker(self, request, context):
+        self._record(lambda: self.deregistered.append(request.worker_id))
+        return scheduler_pb2.DeregisterWorkerResponse()
+
+    def ReportBlocks(self, request, context):
+        self._record(lambda: self.block_reports.append(request))
+        return scheduler_pb2.ReportBlocksResponse()
+
+    def ReportTokens(self, request_iterator, context):
+        count = 0
+        for batch in request_iterator:
+            count += 1
+            self._record(lambda: self.batches.append(batch))
+        return scheduler_pb2.ReportAck(batches=count)
+
+    def forget(self, worker_id: str) -> None:
+        with self.cond:
+            self._forgotten.add(worker_id)
+
+    def wait(self, predicate: Callable[[], object], timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not (result := predicate()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"waited {timeout} s for {what}")
+                self.cond.wait(left)
+            return result
+
+    def events(self, request_id: str) -> list[scheduler_pb2.TokenEvent]:
+        with self.cond:
+            return sorted((e for b in self.batches for e in b.events if e.request_id == request_id),
+                          key=lambda e: e.output_offset)
+
+    def finished(self, request_id: str) -> list[scheduler_pb2.TokenEvent]:
+        """The request's events once its final one arrived (empty list until then)."""
+        events = self.events(request_id)
+        return events if any(e.finish_reason for e in events) else []
+
+    def stream(self, request_id: str, timeout: float = 60) -> list[scheduler_pb2.TokenEvent]:
+        return self.wait(lambda: self.finished(request_id), timeout, f"the last token of {request_id}")
+
+
+def tokens_of(events: list[scheduler_pb2.TokenEvent]) -> list[int]:
+    tokens: list[int] = []
+    for event in events:
+        assert event.output_offset == len(tokens), f"gap or duplicate at offset {event.output_offset}"
+        tokens.extend(event.token_ids)
+    return tokens
+
+
+@dataclass
+class Scheduler:
+    servicer: RecordingScheduler
+    server: grpc.Server
+    address: str
+
+
+def start_scheduler(port: int = 0) -> Scheduler:
+    servicer = RecordingScheduler()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return Scheduler(servicer, server, f"127.0.0.1:{bound}")
+
+
+# -- worker processes -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    role: str
+    address: str
+    process: subprocess.Popen
+    log: Path
+    metrics_port: int
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address)
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.role}-{self.address}"
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        stub = {"prefill": worker_pb2_grpc.PrefillServiceStub, "decode": worker_pb2_grpc.DecodeServiceStub,
+                "colocated": worker_pb2_grpc.ColocatedServiceStub}[self.role](self.channel)
+        return stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=5)
+
+    def metric(self, name: str) -> float:
+        """The value of one sample of the worker's /metrics page, e.g. 'tandem:kv_transfer_bytes_total'."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            page = response.read().decode()
+        values = [line.rsplit(" ", 1)[1] for line in page.splitlines() if line.startswith(name + "{")]
+        assert len(values) == 1, f"{name}: {values}"
+        return float(values[0])
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def spawn_worker(role: str, scheduler: str, tmp: Path, *extra: str) -> Worker:
+    port, metrics_port = free_port(), free_port()
+    log = tmp / f"{role}-{port}.log"
+    env = {**os.environ, "TANDEM_RUN_DIR": str(tmp / "run")}
+    command = [str(TANDEM), role, "--host", "127.0.0.1", "--port", str(port), "--scheduler", scheduler,
+               "--kv-memory", KV_MEMORY, "--threads", "1", "--metrics-port", str(metrics_port), *extra]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Worker(role, f"127.0.0.1:{port}", process, log, metrics_port)
+
+
+def wait_serving(worker: Worker, timeout: float = 90) -> None:
+    try:
+        wait_until_serving(worker.address, timeout)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{worker.log.read_text()}") from exc
+
+
+@dataclass
+class Mesh:
+    scheduler: Scheduler
+    prefill: Worker
+    decode: Worker
+    colocated: Worker
+
+    @property
+    def recorder(self) -> RecordingScheduler:
+        return self.scheduler.servicer
+
+    def decode_stub(self) -> worker_pb2_grpc.DecodeServiceStub:
+        return worker_pb2_grpc.DecodeServiceStub(self.decode.channel)
+
+    def prefill_stub(self) -> worker_pb2_grpc.PrefillServiceStub:
+        return worker_pb2_grpc.PrefillServiceStub(self.prefill.channel)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("workers")
+    scheduler = start_scheduler()
+    workers: list[Worker] = []
+    try:
+        for role in ("prefill", "decode", "colocated"):
+            workers.append(spawn_worker(role, scheduler.address, tmp, "--model", str(default_model_dir)))
+        for worker in workers:
+            wait_serving(worker)
+        yield Mesh(scheduler, *workers)
+    finally:
+        for worker in workers:
+            worker.stop()
+        scheduler.server.stop(grace=None)
+
+
+# -- driving a disaggregated request --------------------------------------------------------
+
+
+def sampling(**fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**{"max_tokens": MAX_NEW_TOKENS, **GREEDY, **fields})
+
+
+def reserve(mesh: Mesh, rid: str, prompt: list[int]) -> worker_pb2.ReserveResponse:
+    return mesh.decode_stub().Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1), timeout=5)
+
+
+def prefill(mesh: Mesh, rid: str, prompt: list[int], reservation: worker_pb2.ReserveResponse | None,
+            salt: str = "", max_chunk_bytes: int = 0, timeout: float = 60, **fields) -> worker_pb2.PrefillResponse:
+    request = worker_pb2.PrefillRequest(
+        request_id=rid, token_ids=prompt, sampling=sampling(**fields), seed=7, cache_salt=salt,
+        decode_address=mesh.decode.address, decode_worker_id=mesh.decode.worker_id,
+        decode_block_ids=reservation.block_ids if reservation else [], max_chunk_bytes=max_chunk_bytes,
+    )
+    return mesh.prefill_stub().Prefill(request, timeout=timeout)
+
+
+def poll(predicate: Callable[[], object], timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.02)
+    return result
+
+
+def cache_index(reports: list[scheduler_pb2.ReportBlocksRequest]) -> set[str]:
+    """The cache contents the reports describe, as the scheduler's prefix index would hold them."""
+    index: set[str] = set()
+    for report in reports:
+        if report.reset:
+            index.clear()
+        index |= set(report.stored)
+        index -= set(report.evicted)
+    return index
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+def wait_idle(worker: Worker, timeout: float = 5) -> worker_pb2.WorkerStats:
+    """Stats once nothing holds a block (finished and aborted requests freed theirs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker.stats()
+        if stats.referenced_blocks == 0 and stats.running == 0 and stats.waiting == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{worker.role} still holds blocks after {timeout} s:\n{stats}")
+        time.sleep(0.05)
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+def test_workers_register_and_heartbeat_with_their_load(mesh):
+    recorder = mesh.recorder
+    infos = {info.worker_id: info for info in recorder.registrations}
+    roles = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
+             "colocated": common_pb2.WORKER_ROLE_COLOCATED}
+    for worker in (mesh.prefill, mesh.decode, mesh.colocated):
+        info = infos[worker.worker_id]
+        assert (info.role, info.address, info.model) == (roles[worker.role], worker.address, "SmolLM2-135M-Instruct")
+        assert (info.num_blocks, info.block_size, info.kv_block_bytes) == (NUM_BLOCKS, BLOCK_SIZE, BLOCK_BYTES)
+        assert (info.max_model_len, info.device) == (8192, "cpu")
+        assert info.load.free_blocks == NUM_BLOCKS
+    load = recorder.wait(lambda: recorder.loads.get(mesh.decode.worker_id), 5, "a decode heartbeat")
+    assert load.free_blocks == NUM_BLOCKS
+    # Each token stream opens with an empty batch naming its worker.
+    hellos = {b.worker_id for b in recorder.batches if not b.events}
+    assert {mesh.prefill.worker_id, mesh.decode.worker_id, mesh.colocated.worker_id} <= hellos
+    # Workers that prefill publish their (empty) cache on registering; the decode worker does not.
+    resets = {r.worker_id for r in recorder.block_reports if r.reset}
+    assert resets == {mesh.prefill.worker_id, mesh.colocated.worker_id}
+
+
+def test_disaggregated_greedy_matches_hf(mesh, parity_prompts, parity_references):
+    longest = max(range(len(parity_prompts)), key=lambda i: len(parity_prompts[i]))
+    chunk_bytes = {longest: 2 * LAYER_BLOCK_BYTES}  # several chunks per layer for one prompt
+    received_before = mesh.decode.stats().kv_bytes_received
+    rids = [f"parity-{i}" for i in range(len(parity_prompts))]
+    reservations = [reserve(mesh, rid, prompt) for rid, prompt in zip(rids, parity_prompts)]
+    for reservation, prompt in zip(reservations, parity_prompts):
+        assert len(reservation.block_ids) == blocks_for(len(prompt) + 1)
+        assert reservation.block_size == BLOCK_SIZE
+    with futures.ThreadPoolExecutor(len(rids)) as pool:
+        calls = [pool.submit(prefill, mesh, rid, prompt, reservation, max_chunk_bytes=chunk_bytes.get(i, 0))
+                 for i, (rid, prompt, reservation) in enumerate(zip(rids, parity_prompts, reservations))]
+        responses = [call.result() for call in calls]
+
+    total_bytes = 0
+    for i, (rid, prompt, response) in enumerate(zip(rids, parity_prompts, responses)):
+        events = mesh.recorder.stream(rid)
+        tokens = tokens_of(events)
+        assert_matches(tokens, parity_references[i], f"disaggregated prompt {i}")
+        # The prefill worker reports the first token; the decode worker the rest.
+        assert events[0].worker_id == mesh.prefill.worker_id and events[0].output_offset == 0
+        assert response.first_token_id == tokens[0]
+        final = events[-1]
+        if len(tokens) > 1:
+            assert {e.worker_id for e in events[1:]} == {mesh.decode.worker_id}
+            blocks = blocks_for(len(prompt))
+            per_chunk = chunk_bytes.get(i, 1 << 20) // LAYER_BLOCK_BYTES
+            assert (response.transfer.blocks, response.transfer.bytes) == (blocks, blocks * BLOCK_BYTES)
+            assert response.transfer.chunks == NUM_LAYERS * -(-blocks // per_chunk)
+            assert response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+            total_bytes += response.transfer.bytes
+        else:  # the first token ended it: no KV shipped, the scheduler releases the reservation
+            assert response.finish_reason == final.finish_reason and response.transfer.chunks == 0
+            release = worker_pb2.ReleaseRequest(request_id=rid)
+            assert mesh.decode_stub().Release(release, timeout=5).released_blocks == blocks_for(len(prompt) + 1)
+        assert final.usage == common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=response.cached_tokens,
+                                               completion_tokens=len(tokens))
+        assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert responses[longest].transfer.chunks > NUM_LAYERS  # the multi-chunk prompt arrived intact
+
+    decode = wait_idle(mesh.decode)
+    assert decode.kv_bytes_received - received_before == total_bytes
+    assert mesh.prefill.stats().kv_bytes_sent == mesh.prefill.metric("tandem:kv_transfer_bytes_total") >= total_bytes
+    assert decode.reserved_blocks == 0 and decode.free_blocks + decode.cached_blocks == NUM_BLOCKS
+    assert decode.max_batch_size > 1
+    # Each decode iteration is one message holding all its requests' tokens.
+    decode_batches = [b for b in mesh.recorder.batches if b.worker_id == mesh.decode.worker_id and b.events]
+    assert max(len(b.events) for b in decode_batches) > 1
+    assert all(len({e.request_id for e in b.events}) == len(b.events) for b in decode_batches)
+    assert all(b.batch_size >= len(b.events) for b in decode_batches)
+    assert wait_idle(mesh.prefill).referenced_blocks == 0
+
+
+def test_first_token_that_ends_the_request_ships_no_kv(mesh, parity_prompts):
+    prompt = parity_prompts[5]  # its first token is not EOS: max_tokens ends it
+    reservation = reserve(mesh, "one-token", prompt)
+    response = prefill(mesh, "one-token", prompt, reservation, max_tokens=1, logprobs=2)
+    assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert response.transfer == worker_pb2.KvTransferStats()
+    (event,) = mesh.recorder.stream("one-token")
+    assert event.worker_id == mesh.prefill.worker_id
+    assert list(event.token_ids) == [response.first_token_id]
+    assert event.usage == common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=response.cached_tokens,
+                                           completion_tokens=1)
+    assert event.logprobs[0].token_id == response.first_token_id and len(event.logprobs[0].top_logprobs) == 2
+    assert response.first_logprob == event.logprobs[0]
+    released = mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="one-token"), timeout=5)
+    assert released.released_blocks == len(reservation.block_ids)
+    assert wait_idle(mesh.decode).reserved_blocks == 0
+
+
+def test_prefix_cache_hits_and_block_reports(mesh, default_model_dir):
+    from services.common.tokenizer import TextCodec
+
+    codec = TextCodec.from_model_dir(default_model_dir)
+    prefix = "Notes of the tenant orchard society. " + LONG_PREFIX
+    first = codec.encode(prefix + "Question: when does the library close on Saturdays?")
+    second = codec.encode(prefix + "Question: how many books can a member borrow?")
+    response = prefill(mesh, "prefix-a", first, None, max_tokens=1)
+    assert response.cached_tokens == 0
+    # The blocks were reported before Prefill returned, so the scheduler can route on them at once.
+    stored = {h for r in mesh.recorder.block_reports if r.worker_id == mesh.prefill.worker_id for h in r.stored}
+    full_blocks = len(first) // BLOCK_SIZE
+    assert set(hash_chain(first, BLOCK_SIZE)[:full_blocks]) <= stored
+
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    expected = min(common // BLOCK_SIZE, (len(second) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert expected >= 64
+    hit = prefill(mesh, "prefix-b", second, None, max_tokens=1)
+    assert hit.cached_tokens == expected
+    assert mesh.recorder.stream("prefix-b")[-1].usage.cached_tokens == expected
+    # Another tenant's salt shares nothing.
+    salted = prefill(mesh, "prefix-c", second, None, salt="tenant-b", max_tokens=1)
+    assert salted.cached_tokens == 0
+
+
+def test_the_schedulers_batch_policy_sets_the_chunk_size(mesh):
+    before = mesh.prefill.stats().iterations
+    response = prefill(mesh, "policy", [2000 + i for i in range(600)], None, max_tokens=1)
+    assert response.cached_tokens == 0
+    assert mesh.prefill.stats().iterations - before == 3  # 256 + 256 + 88 tokens
+
+
+def test_reserve_push_and_release_errors(mesh):
+    stub = mesh.decode_stub()
+    too_many = (NUM_BLOCKS + 1) * BLOCK_SIZE
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="huge", num_tokens=too_many), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV blocks" in refused.value.details()
+    assert ("retry-after", "1") in tuple(refused.value.trailing_metadata())
+
+    reserve(mesh, "twice", [1, 2, 3])
+    with pytest.raises(grpc.RpcError) as duplicate:
+        reserve(mesh, "twice", [1, 2, 3])
+    assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    push = kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel).Push
+    header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=[1, 2, 3], output_token_ids=[4], sampling=sampling())
+    with pytest.raises(grpc.RpcError) as unknown:
+        push(iter([kv_transfer_pb2.KvChunk(request_id="nobody", header=header)]), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    bad = kv_transfer_pb2.KvChunk(request_id="twice", header=header, layer=0, first_block=0, num_blocks=1,
+                                  dtype="float16", shape=[2, 1, 16, 3, 64], data=b"\0" * 12288)
+    with pytest.raises(grpc.RpcError) as mismatch:
+        push(iter([bad]), timeout=5)
+    assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in mismatch.value.details()
+    # A failed push frees the reservation: its KV is incomplete.
+    assert stub.Release(worker_pb2.ReleaseRequest(request_id="twice"), timeout=5).released_blocks == 0
+    assert wait_idle(mesh.decode).reserved_blocks == 0
+
+
+def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
+    prompt = parity_prompts[3]
+    reservation = reserve(mesh, "long-run", prompt)
+    prefill(mesh, "long-run", prompt, reservation, max_tokens=400, ignore_eos=True)
+    mesh.recorder.wait(lambda: len(mesh.recorder.events("long-run")) >= 4, 30, "a few decode tokens")
+    aborted = mesh.decode_stub().Abort(common_pb2.AbortRequest(request_ids=["long-run", "unknown"]), timeout=5)
+    assert list(aborted.aborted_ids) == ["long-run"]
+    started = time.monotonic()
+    wait_idle(mesh.decode, timeout=1)
+    assert time.monotonic() - started < 1
+
+    # An abort that reaches the prefill worker while it computes the prompt ends it there.
+    uncached = [1000 + i for i in range(600)]  # three prefill iterations (256 + 256 + 88 tokens)
+    reservation = reserve(mesh, "early-abort", uncached)
+    with futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(prefill, mesh, "early-abort", uncached, reservation, max_tokens=8)
+        abort = common_pb2.AbortRequest(request_ids=["early-abort"])
+        poll(lambda: mesh.prefill_stub().Abort(abort, timeout=5).aborted_ids, 10, "the abort")
+        response = pending.result()
+    assert response.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="early-abort"), timeout=5).released_blocks
+    wait_idle(mesh.prefill, timeout=1)
+    wait_idle(mesh.decode, timeout=1)
+
+
+def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
+    stub = worker_pb2_grpc.ColocatedServiceStub(mesh.colocated.channel)
+    picked = [0, 2, 5]
+    for i in picked:
+        stub.Run(worker_pb2.RunRequest(request_id=f"colocated-{i}", token_ids=parity_prompts[i],
+                                       sampling=sampling(), seed=3), timeout=10)
+    for i in picked:
+        events = mesh.recorder.stream(f"colocated-{i}")
+        assert {e.worker_id for e in events} == {mesh.colocated.worker_id}
+        tokens = tokens_of(events)
+        assert_matches(tokens, parity_references[i], f"colocated prompt {i}")
+        assert events[-1].usage.completion_tokens == len(tokens)
+        assert events[0].timings.time_to_first_token_ms > 0
+    stats = wait_idle(mesh.colocated)
+    assert stats.max_batch_size > 1 and stats.generated_tokens >= len(picked)
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Run(worker_pb2.RunRequest(request_id="bad", token_ids=[1], sampling=sampling(top_p=0.0)), timeout=5)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad.value.details()
+
+
+def test_forgotten_worker_registers_again_with_its_whole_cache(mesh):
+    recorder, worker_id = mesh.recorder, mesh.prefill.worker_id
+    registered = sum(1 for info in recorder.registrations if info.worker_id == worker_id)
+    reports = len(recorder.block_reports)
+    recorder.forget(worker_id)
+    recorder.wait(lambda: sum(1 for i in recorder.registrations if i.worker_id == worker_id) > registered,
+                  5, "the second registration")
+    reset = recorder.wait(lambda: [r for r in recorder.block_reports[reports:] if r.worker_id == worker_id
+                                   and r.reset], 5, "a full block report")[0]
+    before = cache_index([r for r in recorder.block_reports[:reports] if r.worker_id == worker_id])
+    assert reset.stored and set(reset.stored) == before
+
+
+def test_worker_follows_its_scheduler_and_stops_cleanly(tmp_path, default_model_dir):
+    """NOT_SERVING until registered; a lost token stream drops the worker's requests (the scheduler
+    failed them); a restarted scheduler gets the worker back; SIGTERM deregisters and exits 0."""
+    port = free_port()
+    worker = spawn_worker("decode", f"127.0.0.1:{port}", tmp_path, "--model", str(default_model_dir))
+    schedulers: list[Scheduler] = []
+    try:
+        poll(lambda: "registering with" in worker.log.read_text(), 60, "the model to load")
+        time.sleep(0.5)  # loaded, but there is no scheduler to register with
+        assert check(worker.address) == "NOT_SERVING"
+        schedulers.append(start_scheduler(port))
+        wait_serving(worker, timeout=30)
+        assert [i.worker_id for i in schedulers[0].servicer.registrations] == [worker.worker_id]
+
+        stub = worker_pb2_grpc.DecodeServiceStub(worker.channel)
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_tokens=40), timeout=5)
+        assert worker.stats().reserved_blocks == 3
+        schedulers[0].server.stop(grace=None)
+        poll(lambda: worker.stats().reserved_blocks == 0, 5, "the orphaned reservation to be freed")
+
+        schedulers.append(start_scheduler(port))
+        restarted = schedulers[1].servicer
+        restarted.wait(lambda: restarted.registrations, 10, "the worker to register with the new scheduler")
+        restarted.wait(lambda: any(b.worker_id == worker.worker_id for b in restarted.batches), 10,
+                       "the token stream to reopen")
+
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=20) == 0
+        assert restarted.deregistered == [worker.worker_id]
+    finally:
+        worker.stop()
+        for scheduler in schedulers:
+            scheduler.server.stop(grace=None)

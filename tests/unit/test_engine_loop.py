@@ -1,0 +1,68 @@
+"""EngineLoop on a tiny model: calls run in the engine thread at iteration boundaries, each step's
+outputs reach the asyncio loop, and the tokens are the ones the engine produces on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from services.common.block_hash import hash_chain
+from services.runtime.engine import Engine, EngineConfig
+from services.runtime.sampler import SamplingParams
+from services.worker.engine_loop import EngineLoop, StepResult
+from tests.unit.test_model_tiny import PROMPT, make_tiny
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(block_size=4, num_kv_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny("llama", directory)
+    return directory
+
+
+async def test_calls_run_in_the_engine_thread_and_steps_reach_the_loop(model_dir):
+    engine = Engine.from_model_dir(model_dir, CONFIG)
+    expected = Engine.from_model_dir(model_dir, CONFIG).generate([PROMPT, PROMPT[:7]], GREEDY)
+    steps: list[StepResult] = []
+    done = asyncio.Event()
+
+    def on_step(step: StepResult) -> None:
+        steps.append(step)
+        if any(o.finish_reason for o in step.outputs) and not engine.has_unfinished():
+            done.set()
+
+    loop = EngineLoop(engine, on_step)
+    loop.start()
+    assert await loop.call(lambda e: threading.current_thread().name) == "engine"
+    await loop.call(lambda e: e.add_request("a", PROMPT, GREEDY))
+    await loop.call(lambda e: e.add_request("b", PROMPT[:7], GREEDY))
+    await asyncio.wait_for(done.wait(), 30)
+
+    tokens = {"a": [], "b": []}
+    for step in steps:
+        for output in step.outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    assert [tokens["a"], tokens["b"]] == expected
+    assert [s.iteration for s in steps] == sorted({s.iteration for s in steps})
+    assert max(s.batch_size for s in steps) == 2
+    stored = {h for s in steps for h in s.stored}
+    assert set(hash_chain(PROMPT, 4)) <= stored
+    assert loop.snapshot.referenced_blocks == 0 and loop.snapshot.running == 0
+    await loop.stop()
+
+
+async def test_exceptions_reach_the_caller_and_a_stopped_loop_refuses_calls(model_dir):
+    loop = EngineLoop(Engine.from_model_dir(model_dir, CONFIG), lambda step: None)
+    loop.start()
+    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+        await loop.call(lambda e: e.add_request("empty", [], GREEDY))
+    await loop.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        await loop.call(lambda e: None)
