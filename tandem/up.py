@@ -228,6 +228,7 @@ class LocalSystem:
         self._start_tier([child], stop)
         self.endpoints.append(Endpoint("gateway", "grpc", self._address(port), child.pid))
         self.endpoints.append(Endpoint("gateway", "http", f"http://{self._address(http_port)}", child.pid))
+        self.endpoints.append(Endpoint("gateway", "metrics", f"http://{self._address(http_port)}/metrics"))
 
     def _service(self, name: str, command: str, port: int, flags: list[str],
                  ready: Callable[[], bool] | None = None, essential: bool = True) -> Child:

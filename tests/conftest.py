@@ -1,10 +1,14 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite: the default model, its parity prompts and the HF reference."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.hf_reference import Reference
 
 pytest_plugins = ["tests.redis_fixture"]
 
@@ -15,3 +19,21 @@ def default_model_dir() -> Path:
     from services.common.model_store import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(default_model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tests.hf_reference import PARITY_PROMPTS
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return [tokenizer(text)["input_ids"] for text in PARITY_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def parity_references(default_model_dir, parity_prompts) -> list[Reference]:
+    """HF transformers' greedy output for each parity prompt (torch is imported only here)."""
+    from tests.hf_reference import MAX_NEW_TOKENS, reference_outputs
+
+    return reference_outputs(default_model_dir, parity_prompts, MAX_NEW_TOKENS)

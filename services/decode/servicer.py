@@ -20,8 +20,9 @@ from opentelemetry.context import Context
 
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded
 from services.common.sampling_params import SamplingParams
-from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
+from services.common.tracing import Attr, Event, SpanName, TokenTimings, extract_context, kv_transfer_attributes
 from services.runtime.block_manager import NoFreeBlocksError
+from services.runtime.engine import IterationWork
 from services.runtime.kv_transfer import KvChunk
 from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest, is_final
@@ -40,6 +41,7 @@ RETRY_AFTER_S = 1.0
 class Reservation:
     request_id: str
     block_ids: list[int]
+    trace_context: Context  # of the Reserve call (the scheduler's span): the decode span's parent
     expiry: asyncio.TimerHandle | None = None
     receiving: bool = False
     cancelled: bool = False
@@ -48,6 +50,31 @@ class Reservation:
         self.cancelled = True
         if self.expiry is not None:
             self.expiry.cancel()
+
+
+@dataclass(slots=True)
+class DecodePhase:
+    """The decode.request span of an admitted request, and what it sums up when the request ends."""
+
+    span: trace.Span
+    timings: TokenTimings
+    iterations: int = 0
+    preemptions: int = 0
+
+    def note_iteration(self, work: IterationWork, started_ns: int) -> None:
+        self.iterations += 1
+        if work.num_preemptions > self.preemptions:  # recomputing after a preemption
+            self.span.add_event(Event.PREEMPTED, timestamp=started_ns)
+            self.preemptions = work.num_preemptions
+
+    def end(self, finish_reason: str, output_tokens: int | None) -> None:
+        span = self.span
+        span.set_attributes({Attr.GEN_AI_RESPONSE_FINISH_REASONS: [finish_reason],
+                             Attr.DECODE_ITERATIONS: self.iterations, Attr.DECODE_PREEMPTIONS: self.preemptions})
+        if output_tokens is not None:
+            span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, output_tokens)
+        self.timings.annotate(span)
+        span.end()
 
 
 @dataclass(slots=True)
@@ -64,12 +91,17 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     def __init__(self) -> None:
         super().__init__()
         self._reservations: dict[str, Reservation] = {}
-        self._spans: dict[str, trace.Span] = {}  # decode.request of each admitted request
+        self._phases: dict[str, DecodePhase] = {}  # of each admitted request
 
     # -- RoleServicer -----------------------------------------------------------------------
 
     def on_step(self, step: StepResult) -> None:
+        for rid, work in step.work.items():
+            if (phase := self._phases.get(rid)) is not None:
+                phase.note_iteration(work, step.started_ns)
         for output in step.outputs:
+            if (phase := self._phases.get(output.request_id)) is not None:
+                phase.timings.record(len(output.new_token_ids), step.ended_ns)
             if is_final(output.finish_reason):
                 self._end_span(output.request_id, output.finish_reason.value, output.num_output_tokens)
 
@@ -105,7 +137,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                              retry_after=RETRY_AFTER_S) from exc
         except ValueError as exc:
             raise InvalidRequest("request_id", str(exc)) from exc
-        reservation = Reservation(rid, block_ids)
+        reservation = Reservation(rid, block_ids, extract_context(context.invocation_metadata()))
         ttl = request.ttl_ms / 1000 if request.ttl_ms > 0 else DEFAULT_RESERVATION_TTL_S
         reservation.expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
         self._reservations[rid] = reservation
@@ -165,8 +197,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 raise
             seconds = time.monotonic() - started
             span.set_attributes(kv_transfer_attributes(received.blocks, received.bytes, received.chunks, seconds))
-            admitted = not reservation.cancelled and await self._admit(reservation, first.header, params, seconds,
-                                                                       parent)
+            admitted = not reservation.cancelled and await self._admit(reservation, first.header, params, seconds)
         self.runtime.counters.kv_bytes_received += received.bytes
         return kv_transfer_pb2.PushAck(request_id=rid, chunks=received.chunks, bytes=received.bytes,
                                        blocks=received.blocks, duration_ms=seconds * 1000, admitted=admitted)
@@ -220,7 +251,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         received.blocks = max(received.blocks, message.first_block + message.num_blocks)
 
     async def _admit(self, reservation: Reservation, header: kv_transfer_pb2.KvRequestHeader,
-                     params: SamplingParams, seconds: float, parent: Context) -> bool:
+                     params: SamplingParams, seconds: float) -> bool:
         """Hands the request to the engine for the next iteration; False if it was aborted meanwhile."""
         rid = reservation.request_id
         timings = common_pb2.RequestTimings()
@@ -233,7 +264,10 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if reservation.expiry is not None:
             reservation.expiry.cancel()
         self.runtime.batcher.track(tracked)
-        self._spans[rid] = tracer.start_span(SpanName.DECODE, context=parent, attributes={Attr.REQUEST_ID: rid})
+        start_ns = time.time_ns()
+        span = tracer.start_span(SpanName.DECODE, context=reservation.trace_context, start_time=start_ns,
+                                 attributes={Attr.REQUEST_ID: rid})
+        self._phases[rid] = DecodePhase(span, TokenTimings(start_ns=start_ns))
         try:
             await self.runtime.loop.call(lambda engine: engine.admit_imported(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
@@ -246,10 +280,6 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         return True
 
     def _end_span(self, rid: str, finish_reason: str, output_tokens: int | None = None) -> None:
-        span = self._spans.pop(rid, None)
-        if span is None:
-            return
-        span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [finish_reason])
-        if output_tokens is not None:
-            span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, output_tokens)
-        span.end()
+        phase = self._phases.pop(rid, None)
+        if phase is not None:
+            phase.end(finish_reason, output_tokens)

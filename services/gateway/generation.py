@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 from services.common.errors import InvalidRequest, TandemError, Unavailable, error_from_rpc, error_from_status
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
+from services.common.metrics import ServiceMetrics
 from services.common.tokenizer import TextCodec
 from services.common.tracing import Attr, SpanName, TokenTimings, inject_metadata
 from services.common.wire import sampling_to_proto
@@ -48,6 +49,8 @@ class Generation:
         submit: Callable[[], grpc.aio.UnaryStreamCall],
         assembler: OutputAssembler,
         span: trace.Span,
+        timings: TokenTimings,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.request_id = request_id
         self.trace_id = trace_id
@@ -55,8 +58,9 @@ class Generation:
         self._submit = submit
         self._assembler = assembler
         self._span = span
+        self._metrics = metrics
         self._call: grpc.aio.UnaryStreamCall | None = None
-        self._timings = TokenTimings()
+        self._timings = timings
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -96,13 +100,26 @@ class Generation:
 
     def _record(self, chunk: Chunk) -> None:
         if chunk.token_ids:
-            self._timings.record(len(chunk.token_ids))
+            gap = self._timings.record(len(chunk.token_ids))
+            if self._metrics is not None:
+                if gap is None:
+                    self._metrics.time_to_first_token.observe(self._timings.ttft_s or 0.0)
+                else:
+                    self._metrics.inter_token_latency.observe(gap)
         if chunk.finish_reason is not None and chunk.usage is not None:
             self._span.set_attributes({
                 Attr.GEN_AI_RESPONSE_FINISH_REASONS: [chunk.finish_reason],
                 Attr.GEN_AI_USAGE_INPUT_TOKENS: chunk.usage.prompt_tokens,
                 Attr.GEN_AI_USAGE_OUTPUT_TOKENS: chunk.usage.completion_tokens,
             })
+            if self._metrics is not None:
+                self._count_finished(self._metrics, chunk.finish_reason, chunk.usage)
+
+    def _count_finished(self, metrics: ServiceMetrics, finish_reason: str, usage: common_pb2.Usage) -> None:
+        metrics.request_success(finish_reason).inc()
+        metrics.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.generation_tokens.inc(usage.completion_tokens)
+        metrics.e2e_request_latency.observe((time.time_ns() - self._timings.start_ns) / 1e9)
 
     def _failed(self, error: TandemError) -> TandemError:
         self._span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error.message}")
@@ -131,12 +148,14 @@ class GenerationPipeline:
         scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
         internal_token: str | None = None,
         tracer: trace.Tracer | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.codec = codec
         self.model = model
         self._scheduler = scheduler
         self._internal_token = internal_token
         self._tracer = tracer or trace.get_tracer(__name__)
+        self._metrics = metrics
 
     async def start(self, request: GenerationRequest, timeout: float) -> Generation:
         """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
@@ -144,7 +163,8 @@ class GenerationPipeline:
         prompt_token_ids = await asyncio.to_thread(self._tokenize, request, field)
         check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, self.model)
         request_id = request.request_id or new_request_id()
-        span = self._tracer.start_span(SpanName.GATEWAY, kind=trace.SpanKind.SERVER,
+        timings = TokenTimings()  # TTFT and latencies count from the span's start
+        span = self._tracer.start_span(SpanName.GATEWAY, kind=trace.SpanKind.SERVER, start_time=timings.start_ns,
                                        attributes=self._span_attributes(request, request_id))
         trace_id = format(span.get_span_context().trace_id, "032x")
         submit = scheduler_pb2.SubmitRequest(
@@ -164,6 +184,8 @@ class GenerationPipeline:
             lambda: self._scheduler.Submit(submit, timeout=timeout, metadata=metadata),
             OutputAssembler(self.codec, options, len(prompt_token_ids)),
             span,
+            timings,
+            self._metrics,
         )
 
     def _tokenize(self, request: GenerationRequest, field: str) -> list[int]:

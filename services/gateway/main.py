@@ -84,14 +84,15 @@ async def serve(config: GatewayConfig) -> None:
     codec = await asyncio.to_thread(TextCodec.from_model_dir, config.model)
     model = ServedModel.from_model_dir(config.model, codec)
     tracing = setup_tracing("gateway")
+    metrics = ServiceMetrics(model.name, "gateway")
     channel = grpc.aio.insecure_channel(config.scheduler)
     pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
-                                  config.internal_token)
+                                  config.internal_token, metrics=metrics)
     server = create_server(config.host, config.port, api_keys=config.api_keys)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
                        GenerateServicer(pipeline, config.request_timeout))
     await server.start()
-    http = http_app.create_http_app(pipeline, config.http, ServiceMetrics(model.name, "gateway").registry)
+    http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await http_app.start_http(http, config.host, config.http_port)
     log.info("serving %s on %s:%d, HTTP on port %d (scheduler %s, auth %s)", model.name, config.host, server.port,
              http_server.port, config.scheduler, "on" if config.api_keys else "off")

@@ -27,9 +27,9 @@ from services.common.errors import (
     error_from_rpc,
 )
 from services.common.grpc_server import remaining_timeout
-from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
+from services.common.tracing import Attr, Event, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
-from services.runtime.engine import RequestOutput
+from services.runtime.engine import IterationWork, RequestOutput
 from services.runtime.kv_transfer import KvChunk, blocks_per_chunk
 from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
@@ -50,6 +50,7 @@ class PrefillJob:
 
     tracked: TrackedRequest
     first: asyncio.Future  # -> RequestOutput of the first token, or None when aborted first
+    span: trace.Span = trace.INVALID_SPAN  # prefill.request, the parent of its iterations
     push: grpc.aio.StreamUnaryCall | None = None
     aborted: bool = False
     transfer: worker_pb2.KvTransferStats = field(default_factory=worker_pb2.KvTransferStats)
@@ -65,9 +66,14 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
     # -- RoleServicer -----------------------------------------------------------------------
 
     def on_step(self, step: StepResult) -> None:
+        for rid, work in step.work.items():
+            job = self._jobs.get(rid)
+            if job is not None:
+                _trace_iteration(job.span, step, work)
         for output in step.outputs:
             job = self._jobs.get(output.request_id)
             if job is not None and not job.first.done():
+                job.span.add_event(Event.FIRST_TOKEN, timestamp=step.ended_ns)
                 job.first.set_result(output)
 
     async def abort_all(self, reason: str) -> None:
@@ -110,7 +116,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         rid = request.request_id
         ids = list(request.token_ids)
         job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None),
-                         asyncio.get_running_loop().create_future())
+                         asyncio.get_running_loop().create_future(), span=trace.get_current_span())
         self._jobs[rid] = job
         self.runtime.batcher.track(job.tracked)
         output: RequestOutput | None = None
@@ -273,6 +279,18 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             await self.abort_requests([rid])
         except RuntimeError:  # the engine loop stopped: nothing left to free
             pass
+
+
+def _trace_iteration(parent: trace.Span, step: StepResult, work: IterationWork) -> None:
+    """One engine iteration (prompt chunk) of a request, as a child of its prefill span timed by the step."""
+    span = tracer.start_span(SpanName.PREFILL_ITERATION, context=trace.set_span_in_context(parent),
+                             start_time=step.started_ns, attributes={
+                                 Attr.PREFILL_TOKENS_COMPUTED: work.num_new_tokens,
+                                 Attr.PREFILL_TOKENS_CACHED: work.num_cached_tokens,
+                                 Attr.BATCH_SIZE: step.batch_size,
+                                 Attr.BATCH_TOKENS: sum(w.num_new_tokens for w in step.work.values()),
+                             })
+    span.end(end_time=step.ended_ns)
 
 
 def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:

@@ -104,10 +104,11 @@ class TorchAttention:
             values = gather_context(v_cache, seg.block_ids, seg.context_len)
             mask = _offset_causal_mask(seg.q_len, seg.context_len, q.device)
             causal = False
+        # A leading batch dimension: SDPA's fused CPU kernel takes 4-D inputs only (3-D falls to the math path).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )
+        )[0]
         return out.transpose(0, 1)
 
 

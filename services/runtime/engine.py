@@ -52,12 +52,23 @@ class RequestOutput:
     num_output_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class IterationWork:
+    """One request's share of an iteration: the tokens whose KV it computed, the tokens its first
+    chunk found in the prefix cache (0 on later chunks), and its preemptions so far."""
+
+    num_new_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+
 @dataclass(slots=True)
 class EngineStats:
     iterations: int = 0
     last_batch_size: int = 0
     max_batch_size: int = 0
     batch_size_counts: dict[int, int] = field(default_factory=dict)
+    last_work: dict[str, IterationWork] = field(default_factory=dict)  # request id -> its share of the last step
 
 
 class Engine:
@@ -137,7 +148,7 @@ class Engine:
         chunks = order_for_batch(self.scheduler.schedule())
         if not chunks:
             return []
-        self._record_batch(len(chunks))
+        self._record_batch(chunks)
         logits = self.runner.run(chunks)
         completing = [c for c in chunks if c.completes]
         sampled = self.sampler.sample(logits, [self._sample_request(c.seq) for c in completing])
@@ -156,8 +167,9 @@ class Engine:
                 outputs[out.request_id].extend(out.new_token_ids)
         return [outputs[rid] for rid in ids]
 
-    def _record_batch(self, size: int) -> None:
-        stats = self.stats
+    def _record_batch(self, chunks: list[ScheduledChunk]) -> None:
+        stats, size = self.stats, len(chunks)
+        stats.last_work = {c.seq.request_id: _work(c) for c in chunks}
         stats.iterations += 1
         stats.last_batch_size = size
         stats.max_batch_size = max(stats.max_batch_size, size)
@@ -282,3 +294,10 @@ class Engine:
         seq.num_computed_tokens = seq.num_tokens - 1
         self._requests[request_id] = seq
         self.scheduler.add_running(seq)
+
+
+def _work(chunk: ScheduledChunk) -> IterationWork:
+    """A chunk as the iteration's record; only a prompt's first chunk starts at its cached tokens."""
+    seq = chunk.seq
+    first = seq.num_computed_tokens == seq.num_cached_tokens
+    return IterationWork(chunk.num_new_tokens, seq.num_cached_tokens if first else 0, seq.num_preemptions)

@@ -29,7 +29,7 @@ from opentelemetry import trace
 from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.store import WorkerLoad, WorkerRole
-from services.common.tracing import Attr, SpanName, extract_context
+from services.common.tracing import Attr, SpanName, TokenTimings, extract_context
 from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.scheduler.admission import Admission
 from services.scheduler.deadline import Deadline
@@ -99,8 +99,11 @@ class Dispatcher:
             await self._admit(state)
             if state.admitted and not state.relay.closed:
                 await self._start(state)
-            async for event in state.relay.events(state.deadline.remaining):
-                yield self._outgoing(state, event)
+            with self._relay_span(state) as timings:
+                async for event in state.relay.events(state.deadline.remaining):
+                    if event.token_ids:
+                        timings.record(len(event.token_ids))
+                    yield self._outgoing(state, event)
         except TandemError as error:
             state.error = error
             raise
@@ -328,6 +331,21 @@ class Dispatcher:
             raise
         finally:
             span.end()
+
+    @contextmanager
+    def _relay_span(self, state: RequestState) -> Iterator[TokenTimings]:
+        """The relay of the request's events back to the gateway: a span with the timings of the
+        tokens as they passed through (record them on the yielded TokenTimings)."""
+        timings = TokenTimings()
+        with self._child_span(state, SpanName.RELAY) as span:
+            try:
+                yield timings
+            finally:
+                span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, timings.num_tokens)
+                reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
+                if reason is not None:
+                    span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
+                timings.annotate(span)
 
     def _update_gauges(self) -> None:
         self._metrics.num_requests_running.set(self.admission.running)

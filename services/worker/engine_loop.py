@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.common.block_hash import BlockHash
-from services.runtime.engine import Engine, RequestOutput
+from services.runtime.engine import Engine, IterationWork, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,17 @@ class StepResult:
     """What one engine iteration produced, handed to the asyncio loop.
 
     `running_ids` are the requests in the running batch after the step (started ones);
-    `stored`/`evicted` the prefix-cache changes since the previous result. A result with no
-    outputs carries block events caused by calls (e.g. a reservation that evicted blocks).
+    `work` what each request of the step computed (empty when no step ran: a result with no
+    work carries block events caused by calls, e.g. a reservation that evicted blocks);
+    `stored`/`evicted` the prefix-cache changes since the previous result.
     """
 
     outputs: list[RequestOutput]
     batch_size: int
     iteration: int
     started_ns: int
+    ended_ns: int
+    work: dict[str, IterationWork]
     running_ids: frozenset[str]
     stored: list[BlockHash]
     evicted: list[BlockHash]
@@ -182,7 +185,7 @@ class EngineLoop:
         iteration = engine.stats.iterations
         outputs = engine.step() if engine.has_unfinished() else []
         stepped = engine.stats.iterations != iteration
-        self._publish(outputs, started_ns, stepped or changed)
+        self._publish(outputs, started_ns, engine.stats.last_work if stepped else {}, stepped or changed)
         return stepped
 
     def _stall(self) -> None:
@@ -207,19 +210,22 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - the caller gets it
             return False, exc
 
-    def _publish(self, outputs: list[RequestOutput], started_ns: int, changed: bool) -> None:
+    def _publish(self, outputs: list[RequestOutput], started_ns: int, work: dict[str, IterationWork],
+                 changed: bool) -> None:
         if not changed:
             return
         engine = self.engine
         self.snapshot = EngineSnapshot.of(engine)
         stored, evicted = engine.blocks.drain_events()
-        if not (outputs or stored or evicted):
+        if not (work or stored or evicted):
             return
         result = StepResult(
             outputs=outputs,
-            batch_size=engine.stats.last_batch_size if outputs else 0,
+            batch_size=engine.stats.last_batch_size if work else 0,
             iteration=engine.stats.iterations,
             started_ns=started_ns,
+            ended_ns=time.time_ns(),
+            work=work,
             running_ids=frozenset(s.request_id for s in engine.scheduler.running),
             stored=stored,
             evicted=evicted,

@@ -1,10 +1,11 @@
 """infra/docker-compose.yml run as local processes: its commands, environment and health checks.
 
 Every service starts from the compose file's own `command` and `environment`, in its
-`depends_on` order, with each compose name and port mapped to a free loopback port, the
-model-cache volume mapped to the local model cache, GPU reservations ignored and `--device cuda:N`
-run on the CPU. A stand-in OTLP collector plays Jaeger. This proves the flags, variables and
-health checks written in the compose file are the ones the services accept.
+`depends_on` order, on the network of tests/integration/compose_network.py: as root, its own
+network namespace, where the compose names resolve and its arguments run unmodified; otherwise
+loopback ports. The model-cache volume is the local model cache, GPU reservations are ignored and
+`--device cuda:N` runs on the CPU; a stand-in OTLP collector plays Jaeger. This proves the flags,
+variables and health checks written in the compose file are the ones the services accept.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,108 +27,18 @@ import grpc
 import pytest
 import yaml
 
+from tests.integration.compose_network import LISTEN_FLAGS, ComposeNetwork, open_network
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "infra" / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / "infra" / ".env.example"
 TANDEM = Path(sys.executable).parent / "tandem"
-LISTEN_FLAGS = ("--port", "--http-port", "--metrics-port")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0")
-ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9][\w.-]*):(\d+)\b")
 # Sized for a 2-core CI machine; the compose file leaves these at the services' defaults.
 LOCAL_SETTINGS = {"TANDEM_THREADS": "1", "TANDEM_KV_MEMORY": "256MiB", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-PROMPTS = ["1, 2, 3, 4, 5,", "The quick brown fox"]
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # two KV blocks to transfer
 MAX_TOKENS = 16
 
-pytestmark = [
-    pytest.mark.skipif(
-        not (ROOT / "services" / "gateway" / "main.py").exists(),
-        reason="the services have not landed yet (services/gateway/main.py is missing)",
-    ),
-    pytest.mark.slow,
-]
-
-
-# --- Mapping compose names, ports and volumes onto this machine ---------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all sockets held open until every port is chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _strings(service: dict[str, Any]) -> list[str]:
-    command = service.get("command", [])
-    check = service.get("healthcheck", {}).get("test", [])
-    return [*command, *check, *map(str, service.get("environment", {}).values())]
-
-
-def _endpoints(services: dict[str, Any]) -> set[tuple[str, int]]:
-    """Every (service, container port) the file listens on or refers to."""
-    endpoints: set[tuple[str, int]] = set()
-    for name, service in services.items():
-        command = service.get("command", [])
-        endpoints |= {(name, int(command[i + 1])) for i, arg in enumerate(command[:-1]) if arg in LISTEN_FLAGS}
-        for text in _strings(service):
-            for host, port in ADDRESS.findall(text):
-                if host in LOOPBACK_HOSTS:
-                    endpoints.add((name, int(port)))
-                elif host in services:
-                    endpoints.add((host, int(port)))
-    return endpoints
-
-
-@dataclass(slots=True)
-class LocalMap:
-    """Where a compose (service, container port) and a container path live on this machine."""
-
-    ports: dict[tuple[str, int], int]
-    mounts: dict[str, dict[str, Path]]  # service -> container path -> local directory
-
-    @classmethod
-    def build(cls, services: dict[str, Any], volumes: dict[str, Path]) -> LocalMap:
-        endpoints = sorted(_endpoints(services))
-        ports = dict(zip(endpoints, free_ports(len(endpoints))))
-        mounts = {
-            name: {target: volumes[source] for source, target in (v.split(":", 1) for v in svc.get("volumes", []))}
-            for name, svc in services.items()
-        }
-        return cls(ports, mounts)
-
-    def port(self, service: str, port: int) -> int:
-        if (service, port) not in self.ports:
-            raise KeyError(f"nothing in the compose file listens on {service}:{port}")
-        return self.ports[(service, port)]
-
-    def rewrite(self, service: str, text: str) -> str:
-        """A command argument or variable of `service`, with addresses and paths made local."""
-        for target, local in self.mounts[service].items():
-            if text == target or text.startswith(target + "/"):
-                text = str(local) + text[len(target):]
-        if text == "0.0.0.0":
-            return "127.0.0.1"
-
-        def local_address(match: re.Match[str]) -> str:
-            host, port = match.group(1), int(match.group(2))
-            owner = service if host in LOOPBACK_HOSTS else host
-            return f"127.0.0.1:{self.port(owner, port)}" if (owner, port) in self.ports else match.group(0)
-
-        return ADDRESS.sub(local_address, text)
-
-    def command(self, service: str, args: list[str]) -> list[str]:
-        local = [self.rewrite(service, arg) for arg in args]
-        for i, arg in enumerate(args[:-1]):
-            if arg in LISTEN_FLAGS:
-                local[i + 1] = str(self.port(service, int(args[i + 1])))
-            elif arg == "--device" and args[i + 1].startswith("cuda"):
-                local[i + 1] = "cpu"  # GPU reservations are ignored here
-        return local
+pytestmark = pytest.mark.slow
 
 
 # --- Running the services -----------------------------------------------------------------------
@@ -161,15 +71,40 @@ def start_order(services: dict[str, Any]) -> list[str]:
     return order
 
 
+def volume_mounts(services: dict[str, Any], volumes: dict[str, Path]) -> dict[str, dict[str, Path]]:
+    """service -> container path -> the local directory that plays its named volume."""
+    return {
+        name: {target: volumes[source] for source, target in (v.split(":", 1) for v in svc.get("volumes", []))}
+        for name, svc in services.items()
+    }
+
+
 @dataclass(slots=True)
 class LocalCompose:
     """The compose file's services as processes on this machine, started in dependency order."""
 
     services: dict[str, Any]
-    local: LocalMap
+    network: ComposeNetwork
+    mounts: dict[str, dict[str, Path]]
     env_file: dict[str, str]
     workdir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def rewrite(self, service: str, text: str) -> str:
+        """A command argument or variable of `service`, with its paths and addresses made local."""
+        for target, local in self.mounts[service].items():
+            if text == target or text.startswith(target + "/"):
+                text = str(local) + text[len(target):]
+        return self.network.rewrite(service, text)
+
+    def command(self, service: str, args: list[str]) -> list[str]:
+        local = [self.rewrite(service, arg) for arg in args]
+        for i, arg in enumerate(args[:-1]):
+            if arg in LISTEN_FLAGS:
+                local[i + 1] = str(self.network.port(service, int(args[i + 1])))
+            elif arg == "--device" and args[i + 1].startswith("cuda"):
+                local[i + 1] = "cpu"  # GPU reservations are ignored here
+        return local
 
     def command_argv(self, service: str) -> list[str]:
         """What the container runs: a Tandem image's command goes to its ENTRYPOINT, `tandem`."""
@@ -178,14 +113,17 @@ class LocalCompose:
 
     def exec_argv(self, service: str, args: list[str]) -> list[str]:
         """`args` as exec'd in the service's container, run here (a health check, a command)."""
-        program, *rest = self.local.command(service, args)
+        program, *rest = self.command(service, args)
+        port = str(self.network.port(service, 6379))
         if program == "tandem":
-            return [str(TANDEM), *rest]
-        if program == "redis-server":
-            return [program, *rest, "--port", str(self.local.port(service, 6379)), "--bind", "127.0.0.1"]
-        if program == "redis-cli":
-            return [program, "-p", str(self.local.port(service, 6379)), *rest]
-        raise ValueError(f"{service}: no local stand-in for {program!r}")
+            argv = [str(TANDEM), *rest]
+        elif program == "redis-server":  # as the redis image runs it: every interface, protected mode off
+            argv = [program, *rest, "--port", port, "--bind", self.rewrite(service, "0.0.0.0"), "--protected-mode", "no"]
+        elif program == "redis-cli":
+            argv = [program, "-p", port, *rest]
+        else:
+            raise ValueError(f"{service}: no local stand-in for {program!r}")
+        return [*self.network.exec_prefix(service), *argv]
 
     def environment(self, service: str) -> dict[str, str]:
         spec = self.services[service]
@@ -193,7 +131,7 @@ class LocalCompose:
         env = {**outer, **LOCAL_SETTINGS, "TANDEM_RUN_DIR": str(self.workdir / "run" / service)}
         if "env_file" in spec:
             env |= self.env_file
-        env |= {key: self.local.rewrite(service, str(value)) for key, value in spec.get("environment", {}).items()}
+        env |= {key: self.rewrite(service, str(value)) for key, value in spec.get("environment", {}).items()}
         return env
 
     def start(self, service: str) -> None:
@@ -261,7 +199,7 @@ class LocalCompose:
 
 
 class SpanCollector:
-    """An OTLP/gRPC trace receiver on a loopback port that records each span's service.name."""
+    """An OTLP/gRPC trace receiver on a loopback port that counts the spans of each service.name."""
 
     def __init__(self, port: int) -> None:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -304,20 +242,24 @@ def deployment(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     services = document["services"]
     workdir = tmp_path_factory.mktemp("compose")
     # The model-cache volume is this machine's model cache, where the default model already is.
-    local = LocalMap.build(services, {"model-cache": default_model_dir.parents[1]})
+    mounts = volume_mounts(services, {"model-cache": default_model_dir.parents[1]})
     # infra/.env as a user writes it: .env.example with the secrets filled in.
     api_key = secrets.token_hex(16)
     env_file = _read_env_file(ENV_EXAMPLE) | {"TANDEM_API_KEYS": api_key, "TANDEM_INTERNAL_TOKEN": secrets.token_hex(8)}
-    compose = LocalCompose(services, local, env_file, workdir)
-    collector = SpanCollector(local.port("jaeger", 4317))
+    network = open_network(services)
+    compose = LocalCompose(services, network, mounts, env_file, workdir)
+    collector: SpanCollector | None = None
     try:
+        collector = SpanCollector(network.serve_here("jaeger", 4317))
         compose.up(stand_ins={"jaeger": collector})
         compose.wait_healthy("gateway")
         gateway_port = int(services["gateway"]["command"][services["gateway"]["command"].index("--port") + 1])
-        yield Deployment(compose, collector, f"127.0.0.1:{local.port('gateway', gateway_port)}", api_key)
+        yield Deployment(compose, collector, network.publish("gateway", gateway_port), api_key)
     finally:
         compose.down()
-        collector.stop()
+        if collector is not None:
+            collector.stop()
+        network.close()
 
 
 def generate(deployment: Deployment, prompt: str) -> list[Any]:
@@ -331,8 +273,8 @@ def generate(deployment: Deployment, prompt: str) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(deployment: Deployment) -> dict[str, list[Any]]:
-    return {prompt: generate(deployment, prompt) for prompt in PROMPTS}
+def greedy_run(deployment: Deployment) -> list[Any]:
+    return generate(deployment, PROMPT)
 
 
 def test_every_health_check_in_the_file_passes(deployment: Deployment) -> None:
@@ -345,22 +287,18 @@ def test_every_health_check_in_the_file_passes(deployment: Deployment) -> None:
             assert result.returncode == 0, f"{service}: {result.stdout}{result.stderr}\n{compose.log_tail(service)}"
 
 
-def test_greedy_generation_through_the_gateway_matches_hf(
-    default_model_dir: Path, greedy_runs: dict[str, list[Any]]
-) -> None:
+def test_greedy_generation_through_the_gateway_matches_hf(default_model_dir: Path, greedy_run: list[Any]) -> None:
     import torch
     from transformers import AutoTokenizer
 
     from tests.hf_reference import assert_matches, reference_outputs
 
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    for prompt, reference in zip(PROMPTS, reference_outputs(default_model_dir, prompt_ids, MAX_TOKENS)):
-        responses = greedy_runs[prompt]
-        tokens = [token for response in responses for token in response.token_ids]
-        assert_matches(tokens, reference, label=prompt)
-        assert responses[-1].usage.prompt_tokens == len(reference.prompt_ids)
+    prompt_ids = AutoTokenizer.from_pretrained(default_model_dir)(PROMPT)["input_ids"]
+    (reference,) = reference_outputs(default_model_dir, [prompt_ids], MAX_TOKENS)
+    tokens = [token for response in greedy_run for token in response.token_ids]
+    assert_matches(tokens, reference, label=PROMPT)
+    assert greedy_run[-1].usage.prompt_tokens == len(prompt_ids)
 
 
 def test_the_api_key_from_the_env_file_is_enforced(deployment: Deployment) -> None:
@@ -375,7 +313,7 @@ def test_the_api_key_from_the_env_file_is_enforced(deployment: Deployment) -> No
 
 
 def test_every_service_traces_to_jaeger_under_its_own_name(
-    deployment: Deployment, greedy_runs: dict[str, list[Any]]
+    deployment: Deployment, greedy_run: list[Any]
 ) -> None:
     services = deployment.compose.services
     expected = {

@@ -127,7 +127,7 @@ def test_up_prints_endpoints_survives_a_dead_worker_and_stops_cleanly(fakes, mod
         assert [(r[0], r[1]) for r in rows] == [
             ("redis", "redis"), ("scheduler", "grpc"), ("scheduler", "metrics"), ("prefill-0", "grpc"),
             ("prefill-0", "metrics"), ("prefill-1", "grpc"), ("prefill-1", "metrics"), ("decode-0", "grpc"),
-            ("decode-0", "metrics"), ("gateway", "grpc"), ("gateway", "http")]
+            ("decode-0", "metrics"), ("gateway", "grpc"), ("gateway", "http"), ("gateway", "metrics")]
         assert rows[0][2] == "redis://127.0.0.1:1/0" and len(rows[0]) == 3  # given, not started: no pid
         pids = {r[0]: int(r[4]) for r in rows if r[1] == "grpc"}
         assert all(check(r[2]) == "SERVING" for r in rows if r[1] == "grpc")
@@ -136,7 +136,7 @@ def test_up_prints_endpoints_survives_a_dead_worker_and_stops_cleanly(fakes, mod
 
         os.kill(pids["decode-0"], signal.SIGKILL)
         time.sleep(1.5)
-        assert up.poll() is None and check(rows[-2][2]) == "SERVING"
+        assert up.poll() is None and check(rows[-3][2]) == "SERVING"
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
     finally:
