@@ -114,16 +114,19 @@ class LocalCompose:
     def exec_argv(self, service: str, args: list[str]) -> list[str]:
         """`args` as exec'd in the service's container, run here (a health check, a command)."""
         program, *rest = self.command(service, args)
-        port = str(self.network.port(service, 6379))
         if program == "tandem":
             argv = [str(TANDEM), *rest]
         elif program == "redis-server":  # as the redis image runs it: every interface, protected mode off
-            argv = [program, *rest, "--port", port, "--bind", self.rewrite(service, "0.0.0.0"), "--protected-mode", "no"]
+            bind = self.rewrite(service, "0.0.0.0")
+            argv = [program, *rest, "--port", self._redis_port(service), "--bind", bind, "--protected-mode", "no"]
         elif program == "redis-cli":
-            argv = [program, "-p", port, *rest]
+            argv = [program, "-p", self._redis_port(service), *rest]
         else:
             raise ValueError(f"{service}: no local stand-in for {program!r}")
         return [*self.network.exec_prefix(service), *argv]
+
+    def _redis_port(self, service: str) -> str:
+        return str(self.network.port(service, 6379))
 
     def environment(self, service: str) -> dict[str, str]:
         spec = self.services[service]
