@@ -96,7 +96,8 @@ class IterationScheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
-        hits = self._match_prefix(seq) if not seq.block_table else []
+        looked_up = self.limits.enable_prefix_cache and not seq.block_table
+        hits = self._match_prefix(seq) if looked_up else []
         seq.num_computed_tokens = len(hits) * self.blocks.block_size
         num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)
         needed = self._blocks_needed(seq, num_new) - len(hits)
@@ -105,6 +106,9 @@ class IterationScheduler:
             seq.num_computed_tokens = 0
             return None
         seq.block_table = hits + self.blocks.allocate(needed)
+        if looked_up:  # counted once admitted: a sequence that must wait for blocks looks again later
+            self.prefix_queries_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(hits) * self.blocks.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
@@ -112,8 +116,6 @@ class IterationScheduler:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Acquires the cached blocks of `seq`'s longest cached prefix, always leaving a token to compute."""
-        if not self.limits.enable_prefix_cache:
-            return []
         size = self.blocks.block_size
         usable = (seq.num_tokens - 1) // size
         hashes = hash_chain(seq.token_ids, size, seq.salt)[:usable]
@@ -121,8 +123,6 @@ class IterationScheduler:
         hits = self.blocks.match_prefix(hashes, token_blocks)
         self.blocks.acquire(hits)
         seq.block_hashes = hashes[: len(hits)]
-        self.prefix_queries_tokens += seq.num_tokens
-        self.prefix_hit_tokens += len(hits) * size
         return hits
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:

@@ -72,8 +72,8 @@ class StepResult:
     """What one engine iteration produced, handed to the asyncio loop.
 
     `running_ids` are the requests in the running batch after the step (started ones);
-    `work` what each request of the step computed (empty when no step ran: a result with no
-    work carries block events caused by calls, e.g. a reservation that evicted blocks);
+    `work` what each request of the step computed (empty when only calls ran: such a result
+    carries what they changed, e.g. blocks a reservation evicted or a release freed);
     `stored`/`evicted` the prefix-cache changes since the previous result.
     """
 
@@ -98,9 +98,10 @@ class _Call:
 class EngineLoop:
     """Owns the engine thread. Call order: start() -> call(...)* -> stop().
 
-    `on_step(result)` runs on the asyncio loop after every iteration that produced outputs or
-    block events; `on_failure(exc)` once if `engine.step()` raises, after which the thread stops
-    and pending calls fail (the worker cannot continue with an engine in an unknown state).
+    `on_step(result)` runs on the asyncio loop after every iteration, and after calls that ran
+    between iterations (their effect shows in its snapshot and block events); `on_failure(exc)`
+    once if `engine.step()` raises, after which the thread stops and pending calls fail (the
+    worker cannot continue with an engine in an unknown state).
     """
 
     def __init__(
@@ -217,8 +218,6 @@ class EngineLoop:
         engine = self.engine
         self.snapshot = EngineSnapshot.of(engine)
         stored, evicted = engine.blocks.drain_events()
-        if not (work or stored or evicted):
-            return
         result = StepResult(
             outputs=outputs,
             batch_size=engine.stats.last_batch_size if work else 0,

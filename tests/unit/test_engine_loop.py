@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.block_hash import hash_chain
-from services.runtime.engine import Engine, EngineConfig
+from services.runtime.engine import Engine, EngineConfig, IterationWork
 from services.runtime.sampler import SamplingParams
 from services.worker.engine_loop import EngineLoop, StepResult
 from tests.unit.test_model_tiny import PROMPT, make_tiny
@@ -56,6 +56,28 @@ async def test_calls_run_in_the_engine_thread_and_steps_reach_the_loop(model_dir
     assert set(hash_chain(PROMPT, 4)) <= stored
     assert loop.snapshot.referenced_blocks == 0 and loop.snapshot.running == 0
     await loop.stop()
+
+
+async def test_each_step_says_what_each_request_computed(model_dir):
+    engine = Engine.from_model_dir(model_dir, EngineConfig(block_size=4, num_kv_blocks=32, chunk_size=8))
+    steps: list[StepResult] = []
+    loop = EngineLoop(engine, steps.append)
+    loop.start()
+    two_tokens = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    await loop.call(lambda e: e.add_request("cold", PROMPT, two_tokens))  # 19 tokens: chunks of 8, 8, 3
+    while not any(o.finish_reason for s in steps for o in s.outputs):
+        await asyncio.sleep(0.01)
+    await loop.call(lambda e: e.add_request("warm", PROMPT, two_tokens))  # 4 blocks of 4 tokens cached
+    while sum(bool(o.finish_reason) for s in steps for o in s.outputs) < 2:
+        await asyncio.sleep(0.01)
+    await loop.stop()
+    stepped = [s for s in steps if s.work]
+    assert [(s.work, s.batch_size) for s in stepped] == [
+        ({"cold": IterationWork(8, 0, 0)}, 1), ({"cold": IterationWork(8, 0, 0)}, 1),
+        ({"cold": IterationWork(3, 0, 0)}, 1), ({"cold": IterationWork(1, 0, 0)}, 1),
+        ({"warm": IterationWork(3, 16, 0)}, 1), ({"warm": IterationWork(1, 0, 0)}, 1)]
+    assert all(s.started_ns < s.ended_ns for s in stepped)
+    assert all(s.batch_size == 0 and not s.outputs for s in steps if not s.work)
 
 
 async def test_exceptions_reach_the_caller_and_a_stopped_loop_refuses_calls(model_dir):

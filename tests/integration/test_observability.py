@@ -1,0 +1,511 @@
+"""Observability of the real mesh (`tandem up`): one connected trace per request through every hop,
+prefix-cache hits in the prefill span, `tandem trace`, exact /metrics counts, and a dead OTLP
+endpoint that costs the requests nothing.
+
+The services run in other processes, so the test reads the spans from the run directory's span
+files (the services flush them every 0.5 s) instead of an in-memory exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tandem.spans import Attr, Event, SpanName, SpanRecord, load_span_files
+from tandem.testing import Mesh, collect, greedy_request
+from tandem.trace_view import request_spans
+from tandem.v1 import gateway_pb2
+
+T = TypeVar("T")
+
+BLOCK = 16
+NUM_LAYERS = 30
+KV_BYTES_PER_TOKEN = 46080  # 2 x 30 layers x 3 kv heads x 64 dims x 4 bytes
+KV_CHUNK_BYTES = 64 * 1024  # two blocks of one layer (2 x 24576 bytes) per chunk
+CHUNK_SIZE = 32  # prompt tokens per prefill iteration
+ENV = {
+    "TANDEM_KV_CHUNK_BYTES": str(KV_CHUNK_BYTES),
+    "TANDEM_CHUNK_SIZE": str(CHUNK_SIZE),
+    "TANDEM_KV_MEMORY": "256MiB",
+    "TANDEM_THREADS": "1",
+}
+# Spans of a request besides its prefill iterations: gateway, scheduler submit/queue/route/relay,
+# prefill request, KV send and receive, decode.
+HOPS = 9
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("observability")
+
+
+@pytest.fixture(scope="module")
+def mesh(run_dir, default_model_dir):
+    no_otlp = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}  # span files
+    started = Mesh.start("--prefill", "1", "--decode", "1", "--model", str(default_model_dir),
+                         env={**ENV, **no_otlp}, run_dir=run_dir)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def model_name(mesh) -> str:
+    return mesh.gateway().ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models[0].id
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 131) % 40000 + 200 for i in range(length)]
+
+
+def request(prompt: list[int], max_tokens: int, request_id: str, **sampling: Any) -> gateway_pb2.GenerateRequest:
+    """A greedy request that generates exactly `max_tokens` tokens."""
+    message = greedy_request(prompt, max_tokens, request_id=request_id)
+    message.sampling.ignore_eos = True
+    for name, value in sampling.items():
+        setattr(message.sampling, name, value)
+    return message
+
+
+def generate(mesh: Mesh, message: gateway_pb2.GenerateRequest) -> list[gateway_pb2.GenerateResponse]:
+    tokens, messages = collect(mesh.gateway().Generate(message, timeout=120))
+    assert len(tokens) == message.sampling.max_tokens
+    return messages
+
+
+def route_of(mesh: Mesh, request_id: str):
+    return {r.request_id: r for r in mesh.scheduler_stats().recent_routes}[request_id]
+
+
+def kv_bytes(prompt_tokens: int) -> int:
+    return -(-prompt_tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
+
+
+def eventually(probe: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while (value := probe()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout}s")
+        time.sleep(0.2)
+    return value
+
+
+def wait_for_spans(run_dir: Path, request_id: str, count: int, timeout: float = 20.0) -> list[SpanRecord]:
+    """The request's spans once `count` of them are in the span files."""
+    def probe() -> list[SpanRecord] | None:
+        spans = request_spans(load_span_files(run_dir).spans, request_id)
+        return spans if len(spans) >= count else None
+
+    return eventually(probe, timeout, f"{count} spans of request {request_id}")
+
+
+def span_count(prompt_tokens: int) -> int:
+    """How many spans the trace of an uncached prompt has: one per hop, and one per prefill iteration."""
+    return HOPS + -(-prompt_tokens // CHUNK_SIZE)
+
+
+def named(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
+    return sorted((s for s in spans if s.name == name), key=lambda s: s.start_ns)
+
+
+def one(spans: list[SpanRecord], name: str) -> SpanRecord:
+    (span,) = named(spans, name)
+    return span
+
+
+def shape(spans: list[SpanRecord]) -> tuple:
+    """The tree as nested (name, service, children) tuples, siblings sorted: independent of timing."""
+    children: dict[str | None, list[SpanRecord]] = defaultdict(list)
+    for span in spans:
+        children[span.parent_span_id].append(span)
+
+    def node(span: SpanRecord) -> tuple:
+        return span.name, span.service, tuple(sorted(node(c) for c in children[span.span_id]))
+
+    return tuple(sorted(node(s) for s in children[None]))
+
+
+def normalized(tree: tuple) -> tuple:
+    return tuple(sorted((name, service, normalized(kids)) for name, service, kids in tree))
+
+
+def leaf(name: str, service: str) -> tuple:
+    return name, service, ()
+
+
+def expected_tree(prefill_iterations: int) -> tuple:
+    """DESIGN section 3: gateway -> scheduler (queue, route, relay) -> prefill (iterations, KV send ->
+    KV receive on the decode worker) and decode, every hop a child of the one that caused it."""
+    prefill = ("prefill.request", "prefill", (
+        *[leaf("prefill.iteration", "prefill")] * prefill_iterations,
+        ("kv_transfer.send", "prefill", (leaf("kv_transfer.receive", "decode"),)),
+    ))
+    submit = ("scheduler.submit", "scheduler", (
+        leaf("scheduler.queue", "scheduler"), leaf("scheduler.route", "scheduler"), prefill,
+        leaf("decode.request", "decode"), leaf("scheduler.relay", "scheduler"),
+    ))
+    return normalized((("gateway.generate", "gateway", (submit,)),))
+
+
+def iterations(spans: list[SpanRecord]) -> list[tuple[int, int, int]]:
+    """(tokens computed, tokens from the prefix cache, batch size) of each prefill iteration, in order."""
+    return [(s.attributes[Attr.PREFILL_TOKENS_COMPUTED], s.attributes[Attr.PREFILL_TOKENS_CACHED],
+             s.attributes[Attr.BATCH_SIZE]) for s in named(spans, SpanName.PREFILL_ITERATION)]
+
+
+def trace_cli(run_dir: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "trace", *args], capture_output=True, text=True,
+                          env={**os.environ, "TANDEM_RUN_DIR": str(run_dir), "NO_COLOR": "1"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+# -- one request, one trace ------------------------------------------------------------------
+
+def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, model_name):
+    messages = generate(mesh, request(prompt_of(40, 1), 6, "obs-one", top_p=0.5))
+    spans = wait_for_spans(run_dir, "obs-one", span_count(40))
+    time.sleep(1.0)  # a second flush adds nothing: exactly these spans
+    assert len(request_spans(load_span_files(run_dir).spans, "obs-one")) == span_count(40)
+
+    assert {s.trace_id for s in spans} == {messages[0].trace_id}
+    assert {s.request_id for s in spans} == {"obs-one"}
+    assert shape(spans) == expected_tree(prefill_iterations=2)  # 40 tokens: chunks of 32 and 8
+    by_id = {s.span_id: s for s in spans}
+    for span in spans:
+        if span.parent_span_id is not None:  # on one clock: a child runs within its parent
+            parent = by_id[span.parent_span_id]
+            assert parent.start_ns <= span.start_ns and span.end_ns <= parent.end_ns, (span.name, parent.name)
+    servers = [s.name for s in spans if s.kind == "server"]
+    assert sorted(servers) == ["gateway.generate", "kv_transfer.receive", "prefill.request", "scheduler.submit"]
+    route = route_of(mesh, "obs-one")
+    prefill_address, decode_address = (mesh.endpoint(n).address for n in ("prefill-0", "decode-0"))
+    assert {s.instance for s in spans if s.service == "prefill"} == {prefill_address}
+    assert {s.instance for s in spans if s.service == "decode"} == {decode_address}
+
+    root = one(spans, SpanName.GATEWAY)
+    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S)  # measured: checked below
+    assert {k: v for k, v in root.attributes.items() if k not in timings} == {
+        Attr.REQUEST_ID: "obs-one",
+        Attr.GEN_AI_OPERATION_NAME: "text_completion",
+        Attr.GEN_AI_REQUEST_MODEL: model_name,
+        Attr.GEN_AI_REQUEST_MAX_TOKENS: 6,
+        Attr.GEN_AI_REQUEST_TEMPERATURE: 0.0,
+        Attr.GEN_AI_REQUEST_TOP_P: 0.5,
+        Attr.GEN_AI_REQUEST_TOP_K: 0,
+        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"],
+        Attr.GEN_AI_USAGE_INPUT_TOKENS: 40,
+        Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 6,
+    }
+    (first_token,) = root.events
+    assert first_token.name == Event.FIRST_TOKEN
+    assert root.attributes[Attr.TTFT_S] == pytest.approx((first_token.time_ns - root.start_ns) / 1e9, abs=1e-6)
+    assert 0 < root.attributes[Attr.ITL_MEAN_S] <= root.attributes[Attr.ITL_MAX_S]
+    assert one(spans, SpanName.SCHEDULER_SUBMIT).attributes[Attr.GEN_AI_REQUEST_MODEL] == model_name
+
+    routing = one(spans, SpanName.SCHEDULER_ROUTE).attributes
+    assert routing[Attr.ROUTE_PREFILL_WORKER] == route.prefill_worker_id
+    assert routing[Attr.ROUTE_DECODE_WORKER] == route.decode_worker_id
+    scores = json.loads(routing[Attr.ROUTE_SCORES])
+    assert set(scores) == {route.prefill_worker_id, route.decode_worker_id}
+    assert scores[route.prefill_worker_id]["cached_blocks"] == 0 and "cost" in scores[route.prefill_worker_id]
+    assert "free_blocks" in scores[route.decode_worker_id]
+
+    prefill = one(spans, SpanName.PREFILL)
+    assert prefill.attributes[Attr.PREFILL_TOKENS_COMPUTED] == 40
+    assert prefill.attributes[Attr.PREFILL_TOKENS_CACHED] == 0
+    assert [e.name for e in prefill.events] == [Event.FIRST_TOKEN]
+    assert iterations(spans) == [(32, 0, 1), (8, 0, 1)]
+
+    sent, received = one(spans, SpanName.KV_SEND), one(spans, SpanName.KV_RECEIVE)
+    for end in (sent, received):  # the KV of 40 tokens: 3 blocks, 30 layers x 2 chunks of <= 2 blocks
+        assert end.attributes[Attr.KV_BLOCKS] == 3
+        assert end.attributes[Attr.KV_BYTES] == kv_bytes(40) == 3 * BLOCK * KV_BYTES_PER_TOKEN
+        assert end.attributes[Attr.KV_CHUNKS] == NUM_LAYERS * 2
+        assert end.attributes[Attr.KV_MB_PER_S] > 0
+    assert sent.attributes[Attr.KV_PEER] == decode_address
+    assert sent.attributes[Attr.KV_MB_PER_S] == pytest.approx(kv_bytes(40) / 1e6 / (sent.duration_ns / 1e9), rel=0.1)
+
+    decode = one(spans, SpanName.DECODE)
+    assert {k: decode.attributes[k] for k in (Attr.GEN_AI_RESPONSE_FINISH_REASONS, Attr.GEN_AI_USAGE_OUTPUT_TOKENS,
+                                              Attr.DECODE_ITERATIONS, Attr.DECODE_PREEMPTIONS)} == {
+        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"], Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 6,
+        Attr.DECODE_ITERATIONS: 5, Attr.DECODE_PREEMPTIONS: 0}  # token 0 came from the prefill worker
+    assert [e.name for e in decode.events] == [Event.FIRST_TOKEN]
+    assert 0 < decode.attributes[Attr.ITL_MEAN_S] <= decode.attributes[Attr.ITL_MAX_S]
+
+    relay = one(spans, SpanName.RELAY)
+    assert relay.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
+    assert relay.attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert all(s.status != "ERROR" for s in spans)
+
+
+def test_a_prefix_cache_hit_shows_in_the_prefill_span(mesh, run_dir):
+    prefix = prompt_of(64, 2)
+    cold = generate(mesh, request(prefix + prompt_of(8, 3), 2, "obs-prefix-cold"))
+    warm = generate(mesh, request(prefix + prompt_of(8, 4), 2, "obs-prefix-warm"))
+    assert (cold[-1].usage.cached_tokens, warm[-1].usage.cached_tokens) == (0, 64)
+
+    cold_spans = wait_for_spans(run_dir, "obs-prefix-cold", span_count(72))
+    assert shape(cold_spans) == expected_tree(prefill_iterations=3)
+    cold_prefill = one(cold_spans, SpanName.PREFILL).attributes
+    assert (cold_prefill[Attr.PREFILL_TOKENS_COMPUTED], cold_prefill[Attr.PREFILL_TOKENS_CACHED]) == (72, 0)
+    assert iterations(cold_spans) == [(32, 0, 1), (32, 0, 1), (8, 0, 1)]
+
+    warm_spans = wait_for_spans(run_dir, "obs-prefix-warm", HOPS + 1)
+    assert shape(warm_spans) == expected_tree(prefill_iterations=1)
+    warm_prefill = one(warm_spans, SpanName.PREFILL).attributes
+    assert (warm_prefill[Attr.PREFILL_TOKENS_COMPUTED], warm_prefill[Attr.PREFILL_TOKENS_CACHED]) == (8, 64)
+    assert iterations(warm_spans) == [(8, 64, 1)]
+    scores = json.loads(one(warm_spans, SpanName.SCHEDULER_ROUTE).attributes[Attr.ROUTE_SCORES])
+    assert scores[route_of(mesh, "obs-prefix-warm").prefill_worker_id]["cached_blocks"] == 4
+    # the decode worker still needs the whole prompt's KV: 72 tokens, 5 blocks
+    assert one(warm_spans, SpanName.KV_SEND).attributes[Attr.KV_BYTES] == kv_bytes(72)
+
+
+def test_http_requests_are_traced_from_the_gateway_root(mesh, run_dir, model_name):
+    body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 3,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    call = urllib.request.Request(f"{mesh.http_url}/v1/completions", data=body, method="POST",
+                                  headers={"Content-Type": "application/json", "x-request-id": "obs-http"})
+    with urllib.request.urlopen(call, timeout=60) as response:
+        assert response.headers["x-request-id"] == "obs-http"
+        trace_id = response.headers["x-trace-id"]
+        usage = json.load(response)["usage"]
+    assert usage["completion_tokens"] == 3 and usage["prompt_tokens"] < CHUNK_SIZE
+
+    spans = wait_for_spans(run_dir, "obs-http", HOPS + 1)
+    assert {s.trace_id for s in spans} == {trace_id}
+    assert shape(spans) == expected_tree(prefill_iterations=1)
+    root = one(spans, SpanName.GATEWAY)
+    assert root.kind == "server" and root.parent_span_id is None
+    assert root.attributes[Attr.GEN_AI_OPERATION_NAME] == "text_completion"
+    assert root.attributes[Attr.GEN_AI_USAGE_INPUT_TOKENS] == usage["prompt_tokens"]
+    assert root.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+
+
+# -- tandem trace ----------------------------------------------------------------------------
+
+def preorder(nodes: list[dict[str, Any]], depth: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+    for node in nodes:
+        yield depth, node
+        yield from preorder(node["children"], depth + 1)
+
+
+def waterfall_rows(text: str) -> list[tuple[int, str]]:
+    """(depth, span name) of each row of the text waterfall (rows end with their bar)."""
+    rows = [line for line in text.splitlines()[2:] if line.rstrip().endswith("|")]
+    return [((len(line) - len(line.lstrip())) // 2, line.split()[0]) for line in rows]
+
+
+def test_tandem_trace_prints_every_hop_in_order_and_its_json_matches_the_spans(mesh, run_dir):
+    generate(mesh, request(prompt_of(40, 5), 4, "obs-cli"))
+    spans = wait_for_spans(run_dir, "obs-cli", span_count(40))
+
+    document = json.loads(trace_cli(run_dir, "obs-cli", "--format", "json"))
+    assert document["request_id"] == "obs-cli"
+    nodes = list(preorder(document["spans"]))
+    records = {s.span_id: s.to_json() for s in spans}
+    assert sorted(node["span_id"] for _, node in nodes) == sorted(records)
+    for _, node in nodes:
+        assert {k: v for k, v in node.items() if k != "children"} == records[node["span_id"]]
+        assert [c["parent_span_id"] for c in node["children"]] == [node["span_id"]] * len(node["children"])
+        starts = [c["start_ns"] for c in node["children"]]
+        assert starts == sorted(starts)
+
+    text = trace_cli(run_dir, "obs-cli")
+    header = text.splitlines()[0].split()
+    assert header[:4] == ["request", "obs-cli", "trace", spans[0].trace_id]
+    assert header[4:8] == ["4", "services", str(span_count(40)), "spans"]
+    rows = waterfall_rows(text)
+    assert rows == [(depth, node["name"]) for depth, node in nodes]
+    names = [name for _, name in rows]
+    hops = ["gateway.generate", "scheduler.submit", "scheduler.queue", "scheduler.route", "prefill.request",
+            "prefill.iteration", "kv_transfer.send", "kv_transfer.receive", "decode.request"]
+    positions = [names.index(hop) for hop in hops]
+    assert positions == sorted(positions)
+    assert names.index("scheduler.relay") > names.index("scheduler.route")
+    assert f"kv.bytes={kv_bytes(40)}" in text and f"kv.chunks={NUM_LAYERS * 2}" in text
+    assert "decode.iterations=3" in text and "usage.output_tokens=4" in text
+
+
+def test_tandem_trace_last_lists_the_most_recent_requests(mesh, run_dir):
+    ids = [f"obs-last-{i}" for i in range(3)]
+    for i, request_id in enumerate(ids):
+        generate(mesh, request(prompt_of(20 + i, 10 + i), 2 + i, request_id))
+    for i, request_id in enumerate(ids):
+        wait_for_spans(run_dir, request_id, span_count(20 + i))
+
+    listed = json.loads(trace_cli(run_dir, "--last", "3", "--format", "json"))
+    assert [r["request_id"] for r in listed] == ids[::-1]
+    for i, summary in zip((2, 1, 0), listed):
+        assert (summary["input_tokens"], summary["output_tokens"], summary["finish_reason"], summary["status"]) == (
+            20 + i, 2 + i, "length", "UNSET")
+        assert 0 < summary["ttft_s"] < summary["total_s"]
+
+    lines = trace_cli(run_dir, "--last", "2").splitlines()
+    assert lines[0].split() == ["STARTED", "REQUEST", "ID", "TTFT", "IN", "OUT", "TOTAL", "FINISH", "STATUS"]
+    assert len(lines) == 3 and ids[2] in lines[1] and ids[1] in lines[2]
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = frozenset(LABEL.findall(match["labels"] or ""))
+            samples[(match["name"], labels)] = float(match["value"])
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` that carry these labels (0 when there is none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
+    services = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill-0", "decode": "decode-0"}
+    urls = {service: mesh.endpoint(name, "metrics").address for service, name in services.items()}
+    mesh.wait_idle(5.0)
+    before = {service: scrape(url) for service, url in urls.items()}
+    sent = [(prompt_of(24 + 9 * i, 20 + i), 3 + i) for i in range(4)]  # prompts 24..51 tokens, 3..6 tokens out
+    ids = [f"obs-metrics-{i}" for i in range(len(sent))]
+    with ThreadPoolExecutor(len(sent)) as pool:
+        list(pool.map(lambda i: generate(mesh, request(sent[i][0], sent[i][1], ids[i])), range(len(sent))))
+    mesh.wait_idle(5.0)
+    n, prompt_tokens, output_tokens = len(sent), sum(len(p) for p, _ in sent), sum(m for _, m in sent)
+
+    def settled() -> dict[str, Samples] | None:  # gauges follow the last engine step or call
+        now = {service: scrape(url) for service, url in urls.items()}
+        idle = all(value(now[s], "tandem:num_requests_running") == value(now[s], "tandem:num_requests_waiting")
+                   == value(now[s], "tandem:kv_cache_usage_perc") == 0 for s in now)
+        return now if idle else None
+
+    after = eventually(settled, 5.0, "idle gauges on every service")
+
+    def delta(service: str, name: str, **labels: str) -> float:
+        return value(after[service], name, **labels) - value(before[service], name, **labels)
+
+    labels = {"gateway": (model_name, "gateway"), "scheduler": ("", "scheduler"),
+              "prefill": (model_name, mesh.endpoint("prefill-0").address),
+              "decode": (model_name, mesh.endpoint("decode-0").address)}
+    for service, (model, worker) in labels.items():
+        series = [dict(ls) for (name, ls) in after[service] if name.startswith("tandem:")]
+        assert series and all(s["model_name"] == model and s["worker"] == worker for s in series), service
+
+    kv_total = sum(kv_bytes(len(p)) for p, _ in sent)
+    length = {"finished_reason": "length"}
+    # The gateway sees whole requests; the prefill worker computes each prompt (no cache hit), its
+    # first token and the KV it ships; the decode worker the other tokens, finishing each request.
+    expected = [
+        ("gateway", "tandem:request_success_total", length, n),
+        ("gateway", "tandem:prompt_tokens_total", {}, prompt_tokens),
+        ("gateway", "tandem:generation_tokens_total", {}, output_tokens),
+        ("gateway", "tandem:time_to_first_token_seconds_count", {}, n),
+        ("gateway", "tandem:inter_token_latency_seconds_count", {}, output_tokens - n),
+        ("gateway", "tandem:e2e_request_latency_seconds_count", {}, n),
+        ("scheduler", "tandem:request_queue_time_seconds_count", {}, n),
+        ("scheduler", "tandem:request_success_total", length, n),
+        ("prefill", "tandem:time_to_first_token_seconds_count", {}, n),
+        ("prefill", "tandem:generation_tokens_total", {}, n),
+        ("prefill", "tandem:prefix_cache_queries_total", {}, prompt_tokens),
+        ("prefill", "tandem:prefix_cache_hits_total", {}, 0),
+        ("prefill", "tandem:kv_transfer_bytes_total", {}, kv_total),
+        ("prefill", "tandem:kv_transfer_seconds_count", {}, n),
+        ("prefill", "tandem:num_preemptions_total", {}, 0),
+        ("prefill", "tandem:request_success_total", {}, 0),
+        ("decode", "tandem:request_success_total", length, n),
+        ("decode", "tandem:prompt_tokens_total", {}, prompt_tokens),
+        ("decode", "tandem:generation_tokens_total", {}, output_tokens - n),
+        ("decode", "tandem:num_preemptions_total", {}, 0),
+        ("decode", "tandem:kv_transfer_bytes_total", {}, 0),
+        ("decode", "tandem:prefix_cache_queries_total", {}, 0),
+    ]
+    assert [(s, m, delta(s, m, **ls)) for s, m, ls, _ in expected] == [(s, m, v) for s, m, _, v in expected]
+
+    for service, samples in after.items():  # every histogram's +Inf bucket is its count
+        for (name, ls), count in samples.items():
+            if name.endswith("_count"):
+                assert value(samples, name[: -len("_count")] + "_bucket", le="+Inf", **dict(ls)) == count
+
+    spans = {request_id: wait_for_spans(run_dir, request_id, span_count(len(prompt)))
+             for request_id, (prompt, _) in zip(ids, sent)}
+    roots = [one(s, SpanName.GATEWAY).attributes for s in spans.values()]
+    ttft = sum(r[Attr.TTFT_S] for r in roots)
+    itl = sum(r[Attr.ITL_MEAN_S] * (r[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] - 1) for r in roots)
+    assert delta("gateway", "tandem:time_to_first_token_seconds_sum") == pytest.approx(ttft, abs=1e-6)
+    assert delta("gateway", "tandem:inter_token_latency_seconds_sum") == pytest.approx(itl, abs=1e-6)
+    e2e = delta("gateway", "tandem:e2e_request_latency_seconds_sum")
+    assert e2e == pytest.approx(ttft + itl, abs=0.01 * n)  # observed as the last token arrived
+    assert e2e <= sum(one(s, SpanName.GATEWAY).duration_ns for s in spans.values()) / 1e9
+    sends = sum(one(s, SpanName.KV_SEND).duration_ns for s in spans.values()) / 1e9
+    assert delta("prefill", "tandem:kv_transfer_seconds_sum") == pytest.approx(sends, abs=0.005 * n)
+    queued = sum(one(s, SpanName.SCHEDULER_QUEUE).duration_ns for s in spans.values()) / 1e9
+    assert delta("scheduler", "tandem:request_queue_time_seconds_sum") == pytest.approx(queued, abs=0.005 * n)
+
+
+# -- a dead OTLP endpoint ----------------------------------------------------------------------
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def median_latency(mesh: Mesh, seeds: range, prefix: str) -> float:
+    latencies = []
+    for seed in seeds:
+        started = time.perf_counter()
+        generate(mesh, request(prompt_of(32, seed), 4, f"{prefix}-{seed}"))
+        latencies.append(time.perf_counter() - started)
+    return statistics.median(latencies)
+
+
+def test_a_dead_otlp_endpoint_slows_nothing_and_fails_no_request(mesh, tmp_path, default_model_dir):
+    baseline = median_latency(mesh, range(100, 106), "obs-file")
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    broken_dir = tmp_path / "otlp"
+    broken = Mesh.start("--prefill", "1", "--decode", "1", "--model", str(default_model_dir),
+                        env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}, run_dir=broken_dir)
+    try:
+        median_latency(broken, range(200, 202), "obs-warmup")
+        with_dead_otlp = median_latency(broken, range(100, 106), "obs-otlp")
+        assert with_dead_otlp < 2 * baseline + 0.25, (with_dead_otlp, baseline)
+
+        def warned() -> str | None:
+            for log in sorted(broken_dir.glob("*.log")):
+                for line in log.read_text(errors="replace").splitlines():
+                    if f"cannot export spans to OTLP endpoint {endpoint}" in line and "WARNING" in line:
+                        return line
+            return None
+
+        eventually(warned, 45.0, "a warning about the dead OTLP endpoint in a service log")
+        generate(broken, request(prompt_of(32, 300), 4, "obs-after-warning"))  # dropping spans, still serving
+    finally:
+        broken.stop()
+    assert not list(broken_dir.glob("spans-*.jsonl"))  # OTLP replaces the span files, it does not add to them
