@@ -256,8 +256,10 @@ def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,
     """The HTTP app over `pipeline`. /health answers 503 until `set_serving(app, True)`; /metrics
     renders `registry` (the gateway's ServiceMetrics registry)."""
     bridge = HttpBridge(pipeline, config, registry if registry is not None else CollectorRegistry())
+    # No FastAPI spans: a request's root is its gateway.generate span, as on the gRPC door (and
+    # every /health and /metrics scrape would otherwise add a trace of its own).
     app = FastAPI(title="Tandem", summary="OpenAI-compatible API of a Tandem gateway", docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, telemetry={"tracing": False})
     app.state.bridge = bridge
     app.add_middleware(RequestIds)
     app.add_api_route("/v1/completions", bridge.completions, methods=["POST"])
@@ -334,18 +336,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise _too_large(f"{int(declared)} bytes", limit)
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            raise _too_large(len(body), limit)
+            raise _too_large(f"more than {limit} bytes", limit)  # the rest is never read
     return bytes(body)
 
 
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(413, f"the request body has {'more than ' if size > limit else ''}{size} bytes; this server "
-                         f"accepts at most {limit} (--max-body-bytes)", None, "request_too_large")
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {size}; this server accepts at most {limit} (--max-body-bytes)",
+                    None, "request_too_large")
 
 
 def _parse(body_type: type[Body], raw: bytes) -> Body:

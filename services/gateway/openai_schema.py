@@ -22,10 +22,10 @@ from services.gateway.request import GenerationRequest
 from tandem.v1 import common_pb2
 
 OWNED_BY = "tandem"
-# The `type` of an error body by HTTP status (the openai package picks its exception by status).
+# The `type` of an error body by HTTP status (the openai package picks its exception by status);
+# other 4xx are invalid_request_error, other 5xx server_error.
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+    401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
     503: "service_unavailable_error", 504: "timeout_error",
 }
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
@@ -216,8 +216,8 @@ def _plain_message(message: str) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """{"error": {"message", "type", "param", "code"}}, OpenAI's error shape."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def usage_body(usages: list[common_pb2.Usage]) -> dict[str, Any]:

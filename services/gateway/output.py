@@ -1,7 +1,9 @@
 """A request's output as the gateway returns it: token events in, typed `Chunk`s out.
 
 `OutputAssembler` detokenizes incrementally (UTF-8 safe), applies stop strings token by token so a
-match cuts the text and the tokens exactly, and keeps the token accounting for the usage.
+match cuts the text and the tokens exactly, and keeps the token accounting for the usage. As in
+vLLM, the stop token that ends a request (EOS or one of stop_token_ids) is among the tokens but
+not in the text, unless include_stop_str_in_output.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class OutputAssembler:
         self._stop_token_ids = ends if options.sampling.ignore_eos else ends | set(codec.eos_token_ids)
         self._num_prompt_tokens = num_prompt_tokens
         self._num_output_tokens = 0
+        self._last_token_id: int | None = None
         self._cached_tokens = 0
         self.finished = False
 
@@ -67,20 +70,29 @@ class OutputAssembler:
         if event.HasField("usage"):
             self._cached_tokens = event.usage.cached_tokens
         chunk = Chunk([], "", timings=event.timings if event.HasField("timings") else None)
+        last = len(event.token_ids) - 1
         for index, token_id in enumerate(event.token_ids):
-            self._add_token(chunk, token_id, event.logprobs[index] if event.logprobs else None)
+            shown = not (index == last and self._ends_on_stop_token(event))
+            self._add_token(chunk, token_id, event.logprobs[index] if event.logprobs else None, shown)
             if self.finished:
                 return chunk
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(chunk, event)
         return chunk if chunk.token_ids or chunk.text or chunk.finish_reason else None
 
-    def _add_token(self, chunk: Chunk, token_id: int, logprob: common_pb2.TokenLogprob | None) -> None:
+    def _ends_on_stop_token(self, event: scheduler_pb2.TokenEvent) -> bool:
+        """The event's last token is the stop token that finishes the request."""
+        return (event.finish_reason == common_pb2.FINISH_REASON_STOP and bool(event.token_ids)
+                and event.token_ids[-1] in self._stop_token_ids)
+
+    def _add_token(self, chunk: Chunk, token_id: int, logprob: common_pb2.TokenLogprob | None, shown: bool) -> None:
         chunk.token_ids.append(token_id)
         if logprob is not None:
             chunk.logprobs.append(logprob)
         self._num_output_tokens += 1
-        self._push_text(chunk, self._detokenizer.push([token_id]))
+        self._last_token_id = token_id
+        if shown or self._options.include_stop_str_in_output:
+            self._push_text(chunk, self._detokenizer.push([token_id]))
 
     def _push_text(self, chunk: Chunk, text: str) -> None:
         """Adds text through the stop strings, which apply once min_tokens are out (as in vLLM)."""
@@ -96,9 +108,8 @@ class OutputAssembler:
             return
         chunk.text += self._stops.flush()
         reason = FINISH_REASON_FROM_PROTO[event.finish_reason]
-        last = self._detokenizer.token_ids[-1] if self._detokenizer.token_ids else None
-        if reason == "stop" and last in self._stop_token_ids:
-            chunk.stop_token_id = last
+        if reason == "stop" and self._last_token_id in self._stop_token_ids:
+            chunk.stop_token_id = self._last_token_id
         self._end(chunk, reason, event.usage if event.HasField("usage") else self._usage())
 
     def _end(self, chunk: Chunk, reason: str, usage: common_pb2.Usage) -> None:

@@ -152,3 +152,25 @@ def test_eos_stop_reports_the_stop_token(codec):
     chunks = [assembler.on_event(e) for e in events(ids, per_event=len(ids), final=common_pb2.FINISH_REASON_STOP)]
     assert chunks[0].text == "Paris."
     assert (chunks[0].finish_reason, chunks[0].stop_token_id) == ("stop", 2)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_id_ends_the_text_before_it_as_in_vllm(codec, include):
+    ids = codec.encode("Paris. It")[:2]  # " Paris" is not a token at the start: "Paris", "."
+    period = codec.encode(".")[0]
+    assert ids[-1] == period
+    options = OutputOptions(SamplingParams(stop_token_ids=(period,)), include_stop_str_in_output=include)
+    for per_event in (1, 2):
+        assembler = OutputAssembler(codec, options, num_prompt_tokens=3)
+        chunks = [assembler.on_event(e) for e in events(ids, per_event, final=common_pb2.FINISH_REASON_STOP)]
+        assert "".join(c.text for c in chunks if c) == ("Paris." if include else "Paris")
+        assert [t for c in chunks if c for t in c.token_ids] == ids
+        assert (chunks[-1].finish_reason, chunks[-1].stop_token_id) == ("stop", period)
+
+
+def test_eos_text_is_not_shown_even_with_special_tokens(codec):
+    ids = codec.encode("Paris") + [2]
+    options = OutputOptions(SamplingParams(), skip_special_tokens=False)
+    assembler = OutputAssembler(codec, options, num_prompt_tokens=3)
+    [chunk] = [assembler.on_event(e) for e in events(ids, len(ids), final=common_pb2.FINISH_REASON_STOP)]
+    assert (chunk.text, chunk.token_ids, chunk.stop_token_id) == ("Paris", ids, 2)

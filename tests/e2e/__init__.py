@@ -1,0 +1,1 @@
+"""End-to-end tests: the system through the gateway, as a user would use it."""
