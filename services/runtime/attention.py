@@ -64,9 +64,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The slots of `block_ids` (any shape) as `[*block_ids.shape, block_size, kv_heads, head_dim]`.
+
+    index_select over whole blocks is several times faster than advanced indexing on CPU.
+    """
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *cache.shape[1:])
+
+
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """A sequence's first `context_len` cached tokens as `[context_len, kv_heads, head_dim]`."""
-    return cache[block_ids].flatten(0, 1)[:context_len]
+    return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
 
 
 class TorchAttention:
@@ -88,8 +97,8 @@ class TorchAttention:
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
         batch = q.shape[0]
-        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        keys = gather_blocks(k_cache, meta.decode_block_tables).flatten(1, 2).transpose(1, 2)
+        values = gather_blocks(v_cache, meta.decode_block_tables).flatten(1, 2).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.view(batch, -1, 1, q.shape[-1]), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
