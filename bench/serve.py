@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -87,7 +88,7 @@ def stream_through(mesh: Mesh, prompt: list[int], output_len: int) -> StreamTimi
 
 def run_mesh(setup: str, args, *up_args: str) -> Summary:
     with tempfile.TemporaryDirectory() as run_dir:
-        mesh = Mesh.start(*up_args, env={"TANDEM_THREADS": str(args.threads)}, run_dir=Path(run_dir))
+        mesh = Mesh.start(*up_args, run_dir=Path(run_dir))
         try:
             work = prompts(args.concurrency, args.input_len)
             stream_through(mesh, work[0][:8], 2)  # warm-up
@@ -128,7 +129,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the in-process engine (default: every core, as the mesh's workers "
+                             "share them: `tandem up` splits the cores evenly between its workers)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = [
