@@ -65,17 +65,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._headers = tuple(headers)
 
     def _presented(self, metadata: Iterable[tuple[str, Any]]) -> str | None:
-        values = {key: value for key, value in metadata or ()}
-        for header in self._headers:
-            value = values.get(header)
-            if isinstance(value, str):
-                return _bearer_token(value) if header == "authorization" else value
-        return None
+        values = {key: value for key, value in metadata or () if isinstance(value, str)}
+        return presented_secret(values.get, self._headers)
 
     def _accepts(self, presented: str | None) -> bool:
-        if presented is None:
-            return False
-        return any(hmac.compare_digest(presented.encode(), secret) for secret in self._secrets)
+        return presented is not None and secret_matches(presented, self._secrets)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -91,10 +85,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _replace_behavior(handler, lambda _behavior, _streaming: _deny(message))
 
 
-def _bearer_token(value: str) -> str:
-    """'Bearer KEY' -> 'KEY' (scheme case-insensitive); anything else is not a credential."""
-    scheme, _, token = value.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+def presented_secret(lookup: Callable[[str], str | None], headers: Iterable[str] = API_KEY_HEADERS) -> str | None:
+    """The secret in the first of `headers` that `lookup` finds (gRPC metadata or HTTP headers).
+
+    `authorization` must use the Bearer scheme ('Bearer KEY' -> 'KEY', scheme case-insensitive);
+    any other value there is not a credential ("").
+    """
+    for header in headers:
+        value = lookup(header)
+        if value is None:
+            continue
+        if header != "authorization":
+            return value
+        scheme, _, token = value.strip().partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+def secret_matches(presented: str, secrets: Iterable[bytes]) -> bool:
+    """Constant-time comparison against every accepted secret."""
+    return any(hmac.compare_digest(presented.encode(), secret) for secret in secrets)
 
 
 def _deny(message: str) -> Behavior:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import logging
 import socket
 import time
@@ -30,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.config import add_option, from_args, parse_size
 from services.common.errors import InvalidRequest, TandemError, Unauthenticated, http_status
-from services.common.grpc_server import API_KEY_HEADERS
+from services.common.grpc_server import presented_secret, secret_matches
 from services.common.metrics import render_metrics
 from services.gateway import sse
 from services.gateway.choices import ChoiceSet
@@ -228,10 +227,10 @@ class HttpBridge:
         """The caller's API key (None when the gateway has none configured); 401 otherwise."""
         if not self.config.api_keys:
             return None
-        presented = _presented_key(request)
+        presented = presented_secret(request.headers.get)
         if presented is None:
             raise Unauthenticated("missing API key: send `Authorization: Bearer <key>`")
-        if not any(hmac.compare_digest(presented.encode(), key.encode()) for key in self.config.api_keys):
+        if not secret_matches(presented, [key.encode() for key in self.config.api_keys]):
             raise Unauthenticated("invalid API key: send `Authorization: Bearer <key>` with a configured key")
         return presented
 
@@ -376,19 +375,6 @@ def _named_as_sent(body: Body) -> Iterator[None]:
             raise
         problem = error.message.removeprefix(f"{error.field}: ")
         raise InvalidRequest(param, problem) from None
-
-
-def _presented_key(request: Request) -> str | None:
-    """The key in `Authorization: Bearer KEY` or `x-api-key: KEY` (as the gRPC door reads it)."""
-    for header in API_KEY_HEADERS:
-        value = request.headers.get(header)
-        if value is None:
-            continue
-        if header != "authorization":
-            return value
-        scheme, _, token = value.strip().partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
-    return None
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
