@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
 import socket
 import time
@@ -38,7 +37,7 @@ from services.gateway.openai_schema import (
     OWNED_BY, ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
     body_error, error_body,
 )
-from services.gateway.request import GenerationRequest
+from services.gateway.request import GenerationRequest, salt_for_key
 from services.gateway.servicer import DEFAULT_MAX_TOKENS
 from services.gateway.validation import REQUEST_ID_PATTERN
 
@@ -79,14 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> HttpConfig:
     """HttpConfig from the parsed flags whose names match its fields (api_keys, the limits)."""
     return from_args(HttpConfig, args)
-
-
-def salt_for_key(api_key: str | None) -> str:
-    """The default cache salt of a tenant: derived from its API key, so tenants never share
-    prefix-cache blocks unless they send the same explicit cache_salt. No key: the shared cache."""
-    if not api_key:
-        return ""
-    return hashlib.blake2b(api_key.encode(), digest_size=16, person=b"tandem-salt").hexdigest()
 
 
 class ApiError(Exception):

@@ -90,7 +90,7 @@ async def serve(config: GatewayConfig) -> None:
                                   config.internal_token, metrics=metrics)
     server = create_server(config.host, config.port, api_keys=config.api_keys)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
-                       GenerateServicer(pipeline, config.request_timeout))
+                       GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys)))
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await http_app.start_http(http, config.host, config.http_port)

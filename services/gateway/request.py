@@ -4,6 +4,7 @@ both convert into it at their edge) and `ServedModel`, the model it serves and i
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,3 +61,11 @@ class ServedModel:
             has_chat_template=codec.has_chat_template,
             created=int(time.time()),
         )
+
+
+def salt_for_key(api_key: str | None) -> str:
+    """The default cache salt of a tenant: derived from its API key, so tenants never share
+    prefix-cache blocks unless they send the same explicit cache_salt. No key: the shared cache."""
+    if not api_key:
+        return ""
+    return hashlib.blake2b(api_key.encode(), digest_size=16, person=b"tandem-salt").hexdigest()

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.grpc_server import remaining_timeout
+from services.common.grpc_server import presented_secret, remaining_timeout
 from services.common.wire import FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
 from services.gateway.output import Chunk
-from services.gateway.request import GenerationRequest, ServedModel
+from services.gateway.request import GenerationRequest, ServedModel, salt_for_key
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 16  # gateway.proto: unset max_tokens
@@ -20,8 +20,9 @@ REQUEST_ID_KEY = "x-request-id"
 TRACE_ID_KEY = "x-trace-id"
 
 
-def request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
-    """The domain request; a repeated field left empty counts as not set."""
+def request_from_proto(msg: gateway_pb2.GenerateRequest, default_salt: str = "") -> GenerationRequest:
+    """The domain request; a repeated field left empty counts as not set, an empty cache_salt
+    takes the tenant's default."""
     sampling = msg.sampling
     return GenerationRequest(
         sampling=sampling_from_proto(sampling, DEFAULT_MAX_TOKENS),
@@ -32,7 +33,7 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
         stop=tuple(sampling.stop),
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
-        cache_salt=msg.cache_salt,
+        cache_salt=msg.cache_salt or default_salt,
         request_id=msg.request_id,
     )
 
@@ -56,15 +57,24 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     """Generate streams a request's chunks; the first response carries its request and trace ids
     (also sent at once as `x-request-id` / `x-trace-id` initial metadata)."""
 
-    def __init__(self, pipeline: GenerationPipeline, default_timeout: float) -> None:
+    def __init__(self, pipeline: GenerationPipeline, default_timeout: float, tenant_salts: bool = False) -> None:
+        """`tenant_salts`: API keys are configured, so each key's requests get their own prefix
+        cache unless they send a cache_salt (as on the HTTP door)."""
         self._pipeline = pipeline
         self._default_timeout = default_timeout
+        self._tenant_salts = tenant_salts
+
+    def _default_salt(self, context: grpc.aio.ServicerContext) -> str:
+        if not self._tenant_salts:
+            return ""
+        metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+        return salt_for_key(presented_secret(metadata.get))
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         timeout = remaining_timeout(context, default=self._default_timeout)
-        generation = await self._pipeline.start(request_from_proto(request), timeout)
+        generation = await self._pipeline.start(request_from_proto(request, self._default_salt(context)), timeout)
         try:
             await context.send_initial_metadata(
                 ((REQUEST_ID_KEY, generation.request_id), (TRACE_ID_KEY, generation.trace_id)))

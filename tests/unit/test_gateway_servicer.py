@@ -21,7 +21,7 @@ from services.common.tokenizer import TextCodec
 from services.common.tracing import Attr, SpanName, setup_tracing
 from services.gateway.generation import GenerationPipeline
 from services.gateway.main import GENERATE_SERVICE, follow_scheduler_health
-from services.gateway.request import ServedModel
+from services.gateway.request import ServedModel, salt_for_key
 from services.gateway.servicer import GenerateServicer
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -95,7 +95,7 @@ async def mesh(codec, default_model_dir, spans):
                                   tracing.get_tracer("test"))
     gateway = create_server("127.0.0.1", 0, api_keys=[API_KEY])
     gateway.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
-                        GenerateServicer(pipeline, default_timeout=30.0))
+                        GenerateServicer(pipeline, default_timeout=30.0, tenant_salts=True))
     await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
@@ -271,3 +271,11 @@ def test_gateway_never_imports_torch_or_the_runtime(default_model_dir):
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[2], timeout=60)
+
+
+async def test_cache_salt_defaults_to_the_callers_key_as_on_the_http_door(mesh):
+    scheduler, _, _, channel = mesh
+    [r async for r in generate(channel, sampling=common_pb2.SamplingParams(max_tokens=1))]
+    [r async for r in generate(channel, sampling=common_pb2.SamplingParams(max_tokens=1), cache_salt="shared")]
+    assert [r.cache_salt for r in scheduler.requests] == [salt_for_key(API_KEY), "shared"]
+    assert len(salt_for_key(API_KEY)) == 32 and salt_for_key(None) == ""

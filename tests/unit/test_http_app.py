@@ -20,7 +20,8 @@ from services.common.errors import DeadlineExceeded, Overloaded, TandemError, Un
 from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
 from services.gateway.generation import GenerationPipeline
-from services.gateway.http_app import HttpConfig, create_http_app, salt_for_key, set_serving, start_http
+from services.gateway.http_app import HttpConfig, create_http_app, set_serving, start_http
+from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel
 from services.gateway.servicer import DEFAULT_MAX_TOKENS
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
