@@ -8,6 +8,7 @@ Submit call, which aborts the request on whichever worker holds it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -161,6 +162,9 @@ class GenerationPipeline:
         """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
         field = validate_request(request, self.model)
         prompt_token_ids = await asyncio.to_thread(self._tokenize, request, field)
+        if request.max_tokens_to_context:
+            room = max(1, self.model.max_model_len - len(prompt_token_ids))
+            request.sampling = dataclasses.replace(request.sampling, max_tokens=room)
         check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, self.model)
         request_id = request.request_id or new_request_id()
         timings = TokenTimings()  # TTFT and latencies count from the span's start

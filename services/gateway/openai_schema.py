@@ -169,6 +169,8 @@ class ChatCompletionRequest(_GenerationBody):
     def generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
         request = super().generation_request(request_id, default_salt, default_max_tokens)
         request.messages = [message.as_dict() for message in self.messages]
+        # As OpenAI and vLLM: a chat reply without a limit may use the rest of the context.
+        request.max_tokens_to_context = self._max_tokens() is None
         return request
 
     def param_name(self, field_name: str) -> str:

@@ -30,6 +30,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     cache_salt: str = ""
     request_id: str = ""  # empty: the gateway assigns one
+    max_tokens_to_context: bool = False  # no max_tokens given: generate up to the model's context
 
     @property
     def prompt_fields(self) -> list[str]:

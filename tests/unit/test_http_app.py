@@ -242,10 +242,14 @@ async def test_sampling_fields_reach_the_scheduler(client, fake):
     assert submit.cache_salt == "tenant-a"
 
 
-async def test_default_max_tokens_is_the_gateway_default(client, fake):
+async def test_default_max_tokens_completions_gateway_default_chat_rest_of_context(client, fake, codec,
+                                                                                     served_model):
     await client.post("/v1/completions", json={"prompt": "Hi"})
-    await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
-    assert [s.sampling.max_tokens for s in fake.submits] == [DEFAULT_MAX_TOKENS] * 2
+    messages = [{"role": "user", "content": "Hi"}]
+    await client.post("/v1/chat/completions", json={"messages": messages})
+    await client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 7})
+    room = served_model.max_model_len - len(codec.apply_chat_template(messages))
+    assert [s.sampling.max_tokens for s in fake.submits] == [DEFAULT_MAX_TOKENS, room, 7]
 
 
 async def test_completion_logprobs_legacy_shape(client, fake, codec):
