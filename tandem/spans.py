@@ -65,6 +65,7 @@ class SpanName:
     KV_SEND = "kv_transfer.send"
     KV_RECEIVE = "kv_transfer.receive"
     DECODE = "decode.request"
+    COLOCATED = "colocated.request"  # a colocated worker's stay: its prefill iterations, then its decode
     RELAY = "scheduler.relay"  # token events relayed back to the gateway
 
 

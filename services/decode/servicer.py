@@ -20,12 +20,12 @@ from opentelemetry.context import Context
 
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded
 from services.common.sampling_params import SamplingParams
-from services.common.tracing import Attr, Event, SpanName, TokenTimings, extract_context, kv_transfer_attributes
+from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
 from services.runtime.block_manager import NoFreeBlocksError
-from services.runtime.engine import IterationWork
 from services.runtime.kv_transfer import KvChunk
 from services.worker.engine_loop import StepResult
-from services.worker.events import TrackedRequest, is_final
+from services.worker.events import TrackedRequest
+from services.worker.request_spans import RequestSpans
 from services.worker.servicer_base import WorkerServicerBase, sampling_params
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -53,31 +53,6 @@ class Reservation:
 
 
 @dataclass(slots=True)
-class DecodePhase:
-    """The decode.request span of an admitted request, and what it sums up when the request ends."""
-
-    span: trace.Span
-    timings: TokenTimings
-    iterations: int = 0
-    preemptions: int = 0
-
-    def note_iteration(self, work: IterationWork, started_ns: int) -> None:
-        self.iterations += 1
-        if work.num_preemptions > self.preemptions:  # recomputing after a preemption
-            self.span.add_event(Event.PREEMPTED, timestamp=started_ns)
-            self.preemptions = work.num_preemptions
-
-    def end(self, finish_reason: str, output_tokens: int | None) -> None:
-        span = self.span
-        span.set_attributes({Attr.GEN_AI_RESPONSE_FINISH_REASONS: [finish_reason],
-                             Attr.DECODE_ITERATIONS: self.iterations, Attr.DECODE_PREEMPTIONS: self.preemptions})
-        if output_tokens is not None:
-            span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, output_tokens)
-        self.timings.annotate(span)
-        span.end()
-
-
-@dataclass(slots=True)
 class Received:
     """Progress of one Push."""
 
@@ -91,19 +66,12 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     def __init__(self) -> None:
         super().__init__()
         self._reservations: dict[str, Reservation] = {}
-        self._phases: dict[str, DecodePhase] = {}  # of each admitted request
+        self._spans = RequestSpans()  # decode.request of each admitted request
 
     # -- RoleServicer -----------------------------------------------------------------------
 
     def on_step(self, step: StepResult) -> None:
-        for rid, work in step.work.items():
-            if (phase := self._phases.get(rid)) is not None:
-                phase.note_iteration(work, step.started_ns)
-        for output in step.outputs:
-            if (phase := self._phases.get(output.request_id)) is not None:
-                phase.timings.record(len(output.new_token_ids), step.ended_ns)
-            if is_final(output.finish_reason):
-                self._end_span(output.request_id, output.finish_reason.value, output.num_output_tokens)
+        self._spans.on_step(step)
 
     async def abort_all(self, reason: str) -> None:
         ids = [*self._reservations, *self.runtime.batcher.requests]
@@ -162,7 +130,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     async def _abort(self, request_ids) -> list[str]:
         known = self._drop_reservations(request_ids)
         for rid in request_ids:
-            self._end_span(rid, "abort")
+            self._spans.end(rid, "abort")
         in_engine = await self.abort_requests(request_ids)
         return list(dict.fromkeys([*known, *in_engine]))
 
@@ -264,22 +232,14 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if reservation.expiry is not None:
             reservation.expiry.cancel()
         self.runtime.batcher.track(tracked)
-        start_ns = time.time_ns()
-        span = tracer.start_span(SpanName.DECODE, context=reservation.trace_context, start_time=start_ns,
-                                 attributes={Attr.REQUEST_ID: rid})
-        self._phases[rid] = DecodePhase(span, TokenTimings(start_ns=start_ns))
+        self._spans.start(SpanName.DECODE, rid, reservation.trace_context, prefilling=False)
         try:
             await self.runtime.loop.call(lambda engine: engine.admit_imported(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
                 header.cache_salt))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here
             self.runtime.batcher.forget(rid)
-            self._end_span(rid, "abort")
+            self._spans.end(rid, "abort")
             log.info("request %s not admitted: %s", rid, exc)
             return False
         return True
-
-    def _end_span(self, rid: str, finish_reason: str, output_tokens: int | None = None) -> None:
-        phase = self._phases.pop(rid, None)
-        if phase is not None:
-            phase.end(finish_reason, output_tokens)

@@ -29,10 +29,11 @@ from services.common.errors import (
 from services.common.grpc_server import remaining_timeout
 from services.common.tracing import Attr, Event, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
-from services.runtime.engine import IterationWork, RequestOutput
+from services.runtime.engine import RequestOutput
 from services.runtime.kv_transfer import KvChunk, blocks_per_chunk
 from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
+from services.worker.request_spans import trace_iteration
 from services.worker.servicer_base import WorkerServicerBase, check_request, engine_rejection, sampling_params
 from services.worker.transport import ChannelPool
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -69,7 +70,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         for rid, work in step.work.items():
             job = self._jobs.get(rid)
             if job is not None:
-                _trace_iteration(job.span, step, work)
+                trace_iteration(job.span, step, work)
         for output in step.outputs:
             job = self._jobs.get(output.request_id)
             if job is not None and not job.first.done():
@@ -279,18 +280,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             await self.abort_requests([rid])
         except RuntimeError:  # the engine loop stopped: nothing left to free
             pass
-
-
-def _trace_iteration(parent: trace.Span, step: StepResult, work: IterationWork) -> None:
-    """One engine iteration (prompt chunk) of a request, as a child of its prefill span timed by the step."""
-    span = tracer.start_span(SpanName.PREFILL_ITERATION, context=trace.set_span_in_context(parent),
-                             start_time=step.started_ns, attributes={
-                                 Attr.PREFILL_TOKENS_COMPUTED: work.num_new_tokens,
-                                 Attr.PREFILL_TOKENS_CACHED: work.num_cached_tokens,
-                                 Attr.BATCH_SIZE: step.batch_size,
-                                 Attr.BATCH_TOKENS: sum(w.num_new_tokens for w in step.work.values()),
-                             })
-    span.end(end_time=step.ended_ns)
 
 
 def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:

@@ -1,6 +1,6 @@
 """Observability of the real mesh (`tandem up`): one connected trace per request through every hop,
-prefix-cache hits in the prefill span, `tandem trace`, exact /metrics counts, and a dead OTLP
-endpoint that costs the requests nothing.
+prefix-cache hits in the prefill span, `tandem trace`, exact /metrics counts, a dead OTLP endpoint
+that costs the requests nothing, and the trace of a colocated worker.
 
 The services run in other processes, so the test reads the spans from the run directory's span
 files (the services flush them every 0.5 s) instead of an in-memory exporter.
@@ -43,6 +43,7 @@ ENV = {
     "TANDEM_KV_MEMORY": "256MiB",
     "TANDEM_THREADS": "1",
 }
+NO_OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}  # span files
 # Spans of a request besides its prefill iterations: gateway, scheduler submit/queue/route/relay,
 # prefill request, KV send and receive, decode.
 HOPS = 9
@@ -55,9 +56,8 @@ def run_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(run_dir, default_model_dir):
-    no_otlp = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}  # span files
     started = Mesh.start("--prefill", "1", "--decode", "1", "--model", str(default_model_dir),
-                         env={**ENV, **no_otlp}, run_dir=run_dir)
+                         env={**ENV, **NO_OTLP}, run_dir=run_dir)
     yield started
     started.stop()
 
@@ -509,3 +509,72 @@ def test_a_dead_otlp_endpoint_slows_nothing_and_fails_no_request(mesh, tmp_path,
     finally:
         broken.stop()
     assert not list(broken_dir.glob("spans-*.jsonl"))  # OTLP replaces the span files, it does not add to them
+
+
+# -- colocated mode ----------------------------------------------------------------------------
+
+# Spans of a colocated request besides its prefill iterations: gateway, scheduler submit/queue/
+# route/relay, and the worker's request span.
+COLOCATED_HOPS = 6
+
+
+def colocated_tree(prefill_iterations: int) -> tuple:
+    """One worker prefills and decodes: the scheduler's child is its request span, and the request
+    span's children are the iterations that computed the prompt (no transfer, no decode span)."""
+    worker = ("colocated.request", "colocated", (leaf("prefill.iteration", "colocated"),) * prefill_iterations)
+    submit = ("scheduler.submit", "scheduler", (
+        leaf("scheduler.queue", "scheduler"), leaf("scheduler.route", "scheduler"), worker,
+        leaf("scheduler.relay", "scheduler"),
+    ))
+    return normalized((("gateway.generate", "gateway", (submit,)),))
+
+
+def test_a_colocated_worker_traces_its_prefill_iterations_and_decode(tmp_path, default_model_dir):
+    run_dir = tmp_path / "colocated"
+    colocated = Mesh.start("--mode", "colocated", "--model", str(default_model_dir),
+                           env={**ENV, **NO_OTLP}, run_dir=run_dir)
+    try:
+        prompt = prompt_of(40, 1)
+        messages = generate(colocated, request(prompt, 6, "obs-colocated"))
+        generate(colocated, request(prompt[:32] + prompt_of(8, 2), 2, "obs-colocated-warm"))  # 2 blocks cached
+        worker_address = colocated.endpoint("colocated-0").address
+    finally:
+        colocated.stop()  # flushes the span files
+    spans = wait_for_spans(run_dir, "obs-colocated", COLOCATED_HOPS + 2)
+    assert len(spans) == COLOCATED_HOPS + 2
+
+    assert {s.trace_id for s in spans} == {messages[0].trace_id}
+    assert shape(spans) == colocated_tree(prefill_iterations=2)  # 40 tokens: chunks of 32 and 8
+    by_id = {s.span_id: s for s in spans}
+    for span in spans:
+        if span.parent_span_id is not None:
+            parent = by_id[span.parent_span_id]
+            assert parent.start_ns <= span.start_ns and span.end_ns <= parent.end_ns, (span.name, parent.name)
+    assert {s.instance for s in spans if s.service == "colocated"} == {worker_address}
+    assert iterations(spans) == [(32, 0, 1), (8, 0, 1)]
+
+    worker = one(spans, SpanName.COLOCATED)
+    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S)
+    assert {k: v for k, v in worker.attributes.items() if k not in timings} == {
+        Attr.REQUEST_ID: "obs-colocated",
+        Attr.PREFILL_TOKENS_COMPUTED: 40,
+        Attr.PREFILL_TOKENS_CACHED: 0,
+        Attr.DECODE_ITERATIONS: 5,  # token 0 ended the prefill; one iteration for each of the other 5
+        Attr.DECODE_PREEMPTIONS: 0,
+        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"],
+        Attr.GEN_AI_USAGE_INPUT_TOKENS: 40,
+        Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 6,
+    }
+    (first_token,) = worker.events
+    last_chunk = named(spans, SpanName.PREFILL_ITERATION)[-1]
+    assert (first_token.name, first_token.time_ns) == (Event.FIRST_TOKEN, last_chunk.end_ns)
+    assert worker.attributes[Attr.TTFT_S] == pytest.approx((first_token.time_ns - worker.start_ns) / 1e9, abs=1e-6)
+    assert 0 < worker.attributes[Attr.ITL_MEAN_S] <= worker.attributes[Attr.ITL_MAX_S]
+    assert all(s.status != "ERROR" for s in spans)
+
+    warm = wait_for_spans(run_dir, "obs-colocated-warm", COLOCATED_HOPS + 1)
+    assert shape(warm) == colocated_tree(prefill_iterations=1)
+    assert iterations(warm) == [(8, 32, 1)]
+    warm_worker = one(warm, SpanName.COLOCATED).attributes
+    assert (warm_worker[Attr.PREFILL_TOKENS_COMPUTED], warm_worker[Attr.PREFILL_TOKENS_CACHED],
+            warm_worker[Attr.DECODE_ITERATIONS], warm_worker[Attr.GEN_AI_USAGE_OUTPUT_TOKENS]) == (8, 32, 1, 2)
