@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from tandem.testing import Mesh, greedy_request  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 46080
+IDLE_TRANSFER_TOKENS = 1024  # a multiple of the block size, so the KV shipped is exactly this many tokens
 
 
 @dataclass(slots=True)
@@ -47,7 +48,8 @@ class Summary:
     itl_p50_ms: float
     itl_p99_ms: float
     output_tokens_per_s: float
-    kv_transfer_mb_per_s: float | None
+    kv_transfer_mb_per_s: float | None  # under the benchmark's load
+    kv_transfer_mb_per_s_idle: float | None = None  # one request with a long prompt on an idle mesh
 
 
 def prompts(count: int, length: int) -> list[list[int]]:
@@ -95,7 +97,12 @@ def run_mesh(setup: str, args, *up_args: str) -> Summary:
             start = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
                 timings = list(pool.map(lambda p: stream_through(mesh, p, args.output_len), work))
-            return summarize(setup, timings, time.perf_counter() - start, args.input_len)
+            summary = summarize(setup, timings, time.perf_counter() - start, args.input_len)
+            idle = stream_through(mesh, prompts(1, IDLE_TRANSFER_TOKENS)[0], 2)
+            if idle.kv_transfer_ms > 0:
+                summary.kv_transfer_mb_per_s_idle = IDLE_TRANSFER_TOKENS * KV_BYTES_PER_TOKEN / 1e6 / (
+                    idle.kv_transfer_ms / 1000)
+            return summary
         finally:
             mesh.stop()
 
@@ -146,11 +153,13 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{'setup':24} {'ttft ms':>9} {'p99':>8} {'itl ms':>8} {'p50':>7} {'p99':>7} {'tok/s':>8} {'vs eng':>7} {'KV MB/s':>8}")
+    print(f"{'setup':24} {'ttft ms':>9} {'p99':>8} {'itl ms':>8} {'p50':>7} {'p99':>7} {'tok/s':>8} {'vs eng':>7} "
+          f"{'KV MB/s':>8} {'idle':>6}")
     for r in results:
         kv = f"{r.kv_transfer_mb_per_s:8.0f}" if r.kv_transfer_mb_per_s else f"{'-':>8}"
+        idle = f"{r.kv_transfer_mb_per_s_idle:6.0f}" if r.kv_transfer_mb_per_s_idle else f"{'-':>6}"
         print(f"{r.setup:24} {r.ttft_mean_ms:9.1f} {r.ttft_p99_ms:8.1f} {r.itl_mean_ms:8.1f} {r.itl_p50_ms:7.1f} "
-              f"{r.itl_p99_ms:7.1f} {r.output_tokens_per_s:8.1f} {r.output_tokens_per_s / baseline:6.2f}x {kv}")
+              f"{r.itl_p99_ms:7.1f} {r.output_tokens_per_s:8.1f} {r.output_tokens_per_s / baseline:6.2f}x {kv} {idle}")
     return 0
 
 

@@ -10,6 +10,7 @@ the head of the queue to be recomputed (its tokens so far become its prompt for 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.block_hash import hash_chain
@@ -37,9 +38,12 @@ class SchedulerLimits:
 
 
 class IterationScheduler:
-    def __init__(self, blocks: BlockManager, limits: SchedulerLimits) -> None:
+    def __init__(self, blocks: BlockManager, limits: SchedulerLimits,
+                 on_allocate: Callable[[list[int]], None] = lambda block_ids: None) -> None:
+        """`on_allocate(block_ids)` sees every block handed to a sequence (the KV cache readies them)."""
         self.blocks = blocks
         self.limits = limits
+        self._on_allocate = on_allocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -92,7 +96,7 @@ class IterationScheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table.extend(self.blocks.allocate(needed))
+        seq.block_table.extend(self._allocate(needed))
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
@@ -105,7 +109,7 @@ class IterationScheduler:
             self.blocks.release(hits)
             seq.num_computed_tokens = 0
             return None
-        seq.block_table = hits + self.blocks.allocate(needed)
+        seq.block_table = hits + self._allocate(needed)
         if looked_up:  # counted once admitted: a sequence that must wait for blocks looks again later
             self.prefix_queries_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(hits) * self.blocks.block_size
@@ -113,6 +117,11 @@ class IterationScheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
         return ScheduledChunk(seq, num_new)
+
+    def _allocate(self, n: int) -> list[int]:
+        block_ids = self.blocks.allocate(n)
+        self._on_allocate(block_ids)
+        return block_ids
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Acquires the cached blocks of `seq`'s longest cached prefix, always leaving a token to compute."""

@@ -86,7 +86,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             chunk_size=config.chunk_size or config.max_num_batched_tokens,
             enable_prefix_cache=config.enable_prefix_cache,
-        ))
+        ), on_allocate=self.cache.initialize)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -272,6 +272,7 @@ class Engine:
         if request_id in self._requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         block_ids = self.blocks.allocate(self.blocks_for_tokens(num_tokens))
+        self.cache.initialize(block_ids)
         self._reserved[request_id] = block_ids
         return block_ids
 

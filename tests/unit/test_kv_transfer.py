@@ -52,6 +52,17 @@ def test_chunk_bound_smaller_than_a_block_is_an_error():
 def test_bad_headers_are_refused(change, message):
     chunk = next(export_kv(filled_cache(), [0, 1], max_chunk_bytes=1 << 20))
     target = PagedKVCache(CONFIG, num_blocks=10, block_size=4)
+    target.initialize([3, 4, 5])
     with pytest.raises(ValueError, match=message):
         import_kv(target, [3, 4, 5], dataclasses.replace(chunk, **change))
-    assert not target.k.any()
+    assert not target.k[:, [3, 4, 5]].any() and not target.v[:, [3, 4, 5]].any()
+
+
+def test_blocks_are_zeroed_when_first_handed_out_only():
+    cache = PagedKVCache(CONFIG, num_blocks=10, block_size=4)
+    cache.k.fill_(float("nan"))
+    cache.initialize([2, 7])
+    assert not cache.k[:, [2, 7]].any() and cache.k[:, 3].isnan().all()
+    cache.k[:, 2] = 1.0
+    cache.initialize([2, 3])  # 2 was handed out before: its contents stay
+    assert (cache.k[:, 2] == 1.0).all() and not cache.k[:, 3].any()

@@ -48,6 +48,7 @@ def test_logits_match_transformers(kind, tmp_path):
     reference = make_tiny(kind, tmp_path)
     model = CausalLM.from_model_dir(tmp_path, TorchAttention())
     cache = PagedKVCache(model.config, num_blocks=8, block_size=4)
+    cache.initialize(list(range(8)))
     runner = ModelRunner(model, cache)
     seq = Sequence("tiny", PROMPT[:11], SamplingParams(), seed=0)
     seq.block_table = [5, 2, 7]  # deliberately scattered blocks
