@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.common.block_hash import BlockHash
+import torch
+
 from services.runtime.engine import Engine, IterationWork, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,9 @@ class EngineLoop:
     # -- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        # Thread counts are per thread for OpenMP: set them in the thread that runs the model.
+        if self.engine.config.num_threads:
+            torch.set_num_threads(self.engine.config.num_threads)
         try:
             while self._next_round():
                 pass

@@ -13,10 +13,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from services.worker.runtime import WorkerIdentity, WorkerRuntime
 from services.worker.servicer_base import WorkerServicerBase
 from services.worker.transport import ChannelPool
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
@@ -196,7 +198,7 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
 async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServicerBase, address: str,
                          channels: ChannelPool) -> WorkerRuntime:
     model_dir = await asyncio.to_thread(_model_dir, config.model)
-    engine = await asyncio.to_thread(_load_engine, model_dir, config)
+    engine = await _in_own_thread(_load_engine, model_dir, config)
     identity = WorkerIdentity(
         worker_id=config.worker_id or f"{spec.name}-{address}",
         role=spec.role,
@@ -212,6 +214,24 @@ async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerS
              engine.blocks.num_blocks, engine.blocks.block_size, config.scheduler or "no scheduler (standalone)")
     await runtime.start()
     return runtime
+
+
+async def _in_own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Runs fn in a thread that ends with it. Loading the model there leaves no OpenMP team alive
+    outside the engine thread (a pooled thread keeps its team, which then competes for the cores)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(future.set_result, result)
+
+    threading.Thread(target=target, name="model-loader", daemon=True).start()
+    return await future
 
 
 def _model_dir(model: str | None) -> Path:
