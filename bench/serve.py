@@ -107,14 +107,14 @@ def run_mesh(setup: str, args, *up_args: str) -> Summary:
             mesh.stop()
 
 
-def run_in_process(args) -> Summary:
+def run_in_process(args, threads: int) -> Summary:
     import torch
 
     from services.common.model_store import ensure_default_model
     from services.runtime.engine import Engine, EngineConfig
     from services.runtime.sampler import SamplingParams
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     engine = Engine.from_model_dir(ensure_default_model(), EngineConfig(kv_memory_bytes=1 << 30))
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompts(1, 8)[0]], SamplingParams(max_tokens=2, temperature=0.0))
@@ -128,7 +128,7 @@ def run_in_process(args) -> Summary:
         for out in engine.step():
             stamps[out.request_id].append(time.perf_counter())
     timings = [StreamTiming(s[0] - start, [b - a for a, b in zip(s, s[1:])], len(s), 0.0) for s in stamps.values()]
-    return summarize("in-process engine", timings, time.perf_counter() - start, args.input_len)
+    return summarize(f"in-process, {threads} thread(s)", timings, time.perf_counter() - start, args.input_len)
 
 
 def main() -> int:
@@ -141,10 +141,12 @@ def main() -> int:
                              "share them: `tandem up` splits the cores evenly between its workers)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    # The second in-process run has one core, as each disaggregated worker does on a 2-core machine.
     results = [
-        run_in_process(args),
+        run_in_process(args, args.threads),
         run_mesh("colocated (1 worker)", args, "--mode", "colocated"),
         run_mesh("disaggregated (1P+1D)", args, "--prefill", "1", "--decode", "1"),
+        run_in_process(args, max(1, args.threads // 2)),
     ]
     baseline = results[0].output_tokens_per_s
     report = {"results": [asdict(r) for r in results],
