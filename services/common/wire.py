@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from services.common.sampling_params import SamplingParams
 from tandem.v1 import common_pb2
 
+DEFAULT_MAX_TOKENS = 16  # gateway.proto / common.proto: what an unset SamplingParams.max_tokens means
+
 FINISH_REASON_TO_PROTO: dict[str, int] = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,

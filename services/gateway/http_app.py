@@ -38,7 +38,7 @@ from services.gateway.openai_schema import (
     body_error, error_body,
 )
 from services.gateway.request import GenerationRequest, salt_for_key
-from services.gateway.servicer import DEFAULT_MAX_TOKENS
+from services.common.wire import DEFAULT_MAX_TOKENS
 from services.gateway.validation import REQUEST_ID_PATTERN
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.grpc_server import presented_secret, remaining_timeout
-from services.common.wire import FINISH_REASON_TO_PROTO, sampling_from_proto
+from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
 from services.gateway.output import Chunk
 from services.gateway.request import GenerationRequest, ServedModel, salt_for_key
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-DEFAULT_MAX_TOKENS = 16  # gateway.proto: unset max_tokens
 REQUEST_ID_KEY = "x-request-id"
 TRACE_ID_KEY = "x-trace-id"
 

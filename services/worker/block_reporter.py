@@ -14,11 +14,10 @@ from collections.abc import Iterable
 import grpc
 
 from services.common.block_hash import BlockHash
+from services.worker.registration import RPC_TIMEOUT_S
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-RPC_TIMEOUT_S = 2.0
 
 
 class BlockReporter:

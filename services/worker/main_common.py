@@ -198,7 +198,7 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
 async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServicerBase, address: str,
                          channels: ChannelPool) -> WorkerRuntime:
     model_dir = await asyncio.to_thread(_model_dir, config.model)
-    engine = await _in_own_thread(_load_engine, model_dir, config)
+    engine = await _in_own_thread(Engine.from_model_dir, model_dir, config.engine_config())
     identity = WorkerIdentity(
         worker_id=config.worker_id or f"{spec.name}-{address}",
         role=spec.role,
@@ -239,9 +239,3 @@ def _model_dir(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a model directory (no config.json); pass --model DIR")
     return path
-
-
-def _load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    return Engine.from_model_dir(model_dir, config.engine_config())

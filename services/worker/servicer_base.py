@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.sampling_params import SamplingParams
-from services.common.wire import sampling_from_proto
+from services.common.wire import DEFAULT_MAX_TOKENS, sampling_from_proto
 from services.worker.engine_loop import StepResult
 from services.worker.runtime import WorkerRuntime
 from tandem.v1 import common_pb2, worker_pb2
@@ -20,7 +20,6 @@ from tandem.v1 import common_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 # max_tokens when the caller left it unset (the gateway normally resolves it first).
-DEFAULT_MAX_TOKENS = 16
 
 
 class WorkerServicerBase:
