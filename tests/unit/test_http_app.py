@@ -23,7 +23,7 @@ from services.gateway.generation import GenerationPipeline
 from services.gateway.http_app import HttpConfig, create_http_app, set_serving, start_http
 from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel
-from services.gateway.servicer import DEFAULT_MAX_TOKENS
+from services.common.wire import DEFAULT_MAX_TOKENS
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 REPLY = " Paris is the capital of France. 한국어 🎉 ok"
