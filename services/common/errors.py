@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after"
+RETRY_AFTER_KEY = "retry-after"  # whole seconds, as HTTP's Retry-After
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # the same hint in milliseconds, when the peer estimated it
+DEFAULT_RETRY_AFTER_S = 1.0  # the hint when a peer sent none
 
 
 class TandemError(Exception):
@@ -41,16 +43,24 @@ class NotFound(TandemError):
 class Overloaded(TandemError):
     """No capacity now (full queue, no free blocks); the caller may retry after retry_after seconds."""
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after: float = DEFAULT_RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_KEY, str(max(1, math.ceil(self.retry_after)))),)
+        return retry_metadata(self.retry_after)
 
 
 class Unavailable(TandemError):
-    """A service or worker the request needs is unreachable or was lost."""
+    """A service or worker the request needs is unreachable or was lost; `retry_after` (seconds) is
+    sent as a hint when known."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self.retry_after is None else retry_metadata(self.retry_after)
 
 
 class DeadlineExceeded(TandemError):
@@ -103,8 +113,10 @@ def error_from_status(
         field, sep, problem = message.partition(": ")
         return InvalidRequest(field, problem) if sep else InvalidRequest("request", message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry = dict(trailing_metadata).get(RETRY_AFTER_KEY, "1")
-        return Overloaded(message, retry_after=float(retry))
+        retry = retry_after_hint(trailing_metadata)
+        return Overloaded(message, retry_after=DEFAULT_RETRY_AFTER_S if retry is None else retry)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(message, retry_after=retry_after_hint(trailing_metadata))
     for cls, (status, _) in STATUS_BY_ERROR.items():
         if status == code:
             return cls(message)
@@ -114,3 +126,24 @@ def error_from_status(
 def error_from_rpc(error: grpc.aio.AioRpcError) -> TandemError:
     """error_from_status for a failed grpc.aio call."""
     return error_from_status(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
+
+
+def retry_metadata(seconds: float) -> tuple[tuple[str, str], ...]:
+    """A retry hint as trailing metadata: `retry-after` in whole seconds (rounded up, at least 1, as
+    HTTP's Retry-After header takes it) and `retry-after-ms` with the precise value."""
+    return ((RETRY_AFTER_KEY, str(max(1, math.ceil(seconds)))),
+            (RETRY_AFTER_MS_KEY, str(max(0, round(seconds * 1000)))))
+
+
+def retry_after_hint(trailing_metadata: Sequence[tuple[str, str | bytes]]) -> float | None:
+    """The retry hint a peer sent, in seconds: `retry-after-ms` when present, else `retry-after`;
+    None when it sent neither (or nothing that parses as a number >= 0)."""
+    values = dict(trailing_metadata)
+    for key, scale in ((RETRY_AFTER_MS_KEY, 1000.0), (RETRY_AFTER_KEY, 1.0)):
+        try:
+            seconds = float(values[key]) / scale
+        except (KeyError, ValueError):
+            continue
+        if 0 <= seconds < math.inf:
+            return seconds
+    return None
