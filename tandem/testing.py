@@ -1,13 +1,16 @@
 """Starts a real local Tandem mesh with `tandem up` and reaches each of its services over gRPC.
 
 The launcher prints one line per endpoint (`NAME KIND ADDRESS [pid N]`) and then `ready`;
-`Mesh` parses those lines, so the tests reach every service by its real address.
+`Mesh` parses those lines, so the tests reach every service by its real address. The mesh runs
+with `internal_token` (TANDEM_INTERNAL_TOKEN when set, else a new one), which `internal_metadata`
+presents on calls to its internal services.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,16 +39,19 @@ class Endpoint:
 class Mesh:
     process: subprocess.Popen
     endpoints: list[Endpoint]
+    internal_token: str
     log: list[str] = field(default_factory=list)
 
     @classmethod
     def start(cls, *args: str, env: dict[str, str] | None = None, run_dir: Path) -> Mesh:
         environment = {**os.environ, "TANDEM_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
+        token = environment.get("TANDEM_INTERNAL_TOKEN") or secrets.token_urlsafe(32)
+        environment["TANDEM_INTERNAL_TOKEN"] = token
         process = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--grpc-port", "0", "--http-port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, start_new_session=True,
         )
-        mesh = cls(process, [])
+        mesh = cls(process, [], token)
         mesh._read_until_ready()
         return mesh
 
@@ -98,9 +104,15 @@ class Mesh:
     def gateway(self) -> gateway_pb2_grpc.GenerateServiceStub:
         return gateway_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(self.endpoint("gateway").address))
 
+    @property
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata that authenticates a call to the mesh's scheduler or workers."""
+        return (("x-tandem-internal-token", self.internal_token),)  # grpc_server.INTERNAL_TOKEN_KEY
+
     def scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(self.endpoint("scheduler").address))
-        return stub.Stats(scheduler_pb2.SchedulerStatsRequest(recent_routes=64), timeout=5)
+        return stub.Stats(scheduler_pb2.SchedulerStatsRequest(recent_routes=64), timeout=5,
+                          metadata=self.internal_metadata)
 
     def worker_stats(self, name: str) -> worker_pb2.WorkerStats:
         channel = grpc.insecure_channel(self.endpoint(name).address)
@@ -110,7 +122,7 @@ class Mesh:
             stub = worker_pb2_grpc.DecodeServiceStub(channel)
         else:
             stub = worker_pb2_grpc.ColocatedServiceStub(channel)
-        return stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=5)
+        return stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=5, metadata=self.internal_metadata)
 
     def wait_idle(self, timeout: float = 1.0) -> None:
         """Waits until every worker holds no referenced or reserved block and the scheduler holds no request."""

@@ -24,7 +24,12 @@ log = logging.getLogger(__name__)
 INTERNAL_TOKEN_KEY = "x-tandem-internal-token"
 API_KEY_HEADERS = ("authorization", "x-api-key")
 TRACE_METADATA_KEYS = ("traceparent", "tracestate", "baggage")
+# Message limits, by what a server receives. A KV chunk (the decode worker's KvTransferService) is
+# the largest message any Tandem peer sends; internal control calls carry token ids and stats; the
+# gateway's public door takes prompts, and nothing a client sends it needs more.
 MAX_MESSAGE_BYTES = 64 << 20
+CONTROL_MESSAGE_BYTES = 16 << 20
+PUBLIC_MESSAGE_BYTES = 4 << 20
 # Probes and tooling must work without credentials.
 _OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
 
@@ -223,12 +228,16 @@ def create_server(
     api_keys: Collection[str] = (),
     internal_token: str | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_receive_bytes: int = CONTROL_MESSAGE_BYTES,
+    max_send_bytes: int = MAX_MESSAGE_BYTES,
 ) -> GrpcServer:
     """Create (not start) a server bound to host:port (port 0 picks a free one; see .port).
 
     api_keys: the gateway's client keys (`authorization: Bearer KEY` or `x-api-key`); empty = no auth.
-    internal_token: the shared secret of internal services (`x-tandem-internal-token`); None = no auth.
+    internal_token: the shared secret of internal services (`x-tandem-internal-token`); None = no auth
+    (services decide that with services.common.internal_auth, which refuses None unless told).
+    max_receive_bytes / max_send_bytes: the largest message taken / sent; a bigger one fails the call
+    with RESOURCE_EXHAUSTED.
     Interceptor order: auth, then caller-supplied ones (tracing), then error mapping (innermost).
     """
     chain: list[grpc.aio.ServerInterceptor] = []
@@ -238,8 +247,8 @@ def create_server(
         chain.append(AuthInterceptor([internal_token], headers=(INTERNAL_TOKEN_KEY,)))
     chain += [*interceptors, ErrorInterceptor()]
     options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_send_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         # Without this a second server on a busy port binds silently and steals half the calls.
         ("grpc.so_reuseport", 0),
     ]

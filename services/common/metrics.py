@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -118,9 +119,13 @@ def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve `registry` at http://HOST:PORT/metrics from a daemon thread (for gRPC-only services)."""
-    server = make_server(host, port, _metrics_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> MetricsServer:
+    """Serve `registry` at http://HOST:PORT/metrics from a daemon thread (for gRPC-only services).
+
+    HOST is the service's own --host: metrics listen where its gRPC does, never wider.
+    """
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+    server = make_server(host.strip("[]"), port, _metrics_app(registry), server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name=f"metrics:{port}", daemon=True)
     thread.start()
     return MetricsServer(server, thread)
@@ -140,6 +145,10 @@ def _metrics_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):

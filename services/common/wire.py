@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services.common.errors import InvalidRequest
 from services.common.sampling_params import SamplingParams
 from tandem.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16  # gateway.proto / common.proto: what an unset SamplingParams.max_tokens means
+MAX_ABORT_IDS = 1024  # request ids one Abort may name
 
 FINISH_REASON_TO_PROTO: dict[str, int] = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -72,3 +74,11 @@ def logprob_to_proto(token_id: int, logprob: float, top: Iterable[tuple[int, flo
 def usage_to_proto(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens)
+
+
+def abort_ids(msg: common_pb2.AbortRequest) -> list[str]:
+    """The ids an Abort names, at most MAX_ABORT_IDS of them (InvalidRequest beyond)."""
+    if len(msg.request_ids) > MAX_ABORT_IDS:
+        raise InvalidRequest("request_ids", f"at most {MAX_ABORT_IDS} ids per Abort, got {len(msg.request_ids)}; "
+                                            "send several Aborts")
+    return list(msg.request_ids)

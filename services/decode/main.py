@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.decode.servicer import DecodeServicer
 from services.worker import main_common
 from tandem.v1 import common_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
@@ -20,6 +21,7 @@ SPEC = main_common.RoleSpec(
     ),
     # Routing looks at prefill workers' caches only; a decode worker's cache serves its own recomputes.
     report_blocks=False,
+    max_receive_bytes=MAX_MESSAGE_BYTES,  # KV chunks arrive here
 )
 
 

@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded
 from services.common.sampling_params import SamplingParams
 from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
+from services.common.wire import abort_ids
 from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.kv_transfer import KvChunk
 from services.worker.engine_loop import StepResult
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.decode")
 
 # A backstop for a prefill worker lost without an Abort; the scheduler normally releases or aborts first.
+# Also the longest a caller may ask for: a reservation pins its blocks until then.
 DEFAULT_RESERVATION_TTL_S = 300.0
+MAX_RESERVATION_TTL_MS = round(DEFAULT_RESERVATION_TTL_S * 1000)
 RETRY_AFTER_S = 1.0
 
 
@@ -97,6 +100,12 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if not 0 < request.num_tokens <= engine.max_model_len:
             raise InvalidRequest("num_tokens", f"must be in [1, {engine.max_model_len}] (the model's context), "
                                                f"got {request.num_tokens}")
+        if engine.blocks_for_tokens(request.num_tokens) > engine.blocks.num_blocks:
+            raise InvalidRequest("num_tokens", f"{request.num_tokens} tokens need more KV blocks than decode worker "
+                                               f"{self.runtime.worker_id} has ({engine.blocks.num_blocks})")
+        if not 0 <= request.ttl_ms <= MAX_RESERVATION_TTL_MS:
+            raise InvalidRequest("ttl_ms", f"must be in [0, {MAX_RESERVATION_TTL_MS}] (0: the default, "
+                                           f"{DEFAULT_RESERVATION_TTL_S:.0f} s), got {request.ttl_ms}")
         try:
             block_ids, free = await self.runtime.loop.call(
                 lambda e: (e.reserve(rid, request.num_tokens), e.blocks.num_free_blocks))
@@ -120,7 +129,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         return worker_pb2.ReleaseResponse(released_blocks=len(reservation.block_ids))
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted_ids=await self._abort(request.request_ids))
+        return common_pb2.AbortResponse(aborted_ids=await self._abort(abort_ids(request)))
 
     def _expire(self, rid: str) -> None:
         log.warning("reservation of request %s expired before its KV arrived; freeing its blocks", rid)

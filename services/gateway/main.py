@@ -15,8 +15,9 @@ import grpc
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import internal_auth
 from services.common.config import add_option, from_args, parse_address, parse_list
-from services.common.grpc_server import GrpcServer, create_server
+from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics
 from services.common.model_config import ModelLoadError
 from services.common.model_store import default_model_dir
@@ -43,7 +44,7 @@ class GatewayConfig:
     scheduler: str
     model: Path
     api_keys: tuple[str, ...]
-    internal_token: str | None
+    internal_token: str | None  # sent to the scheduler; None only under --insecure-internal
     request_timeout: float  # seconds; the deadline of requests whose caller set none
     http: http_app.HttpConfig  # the HTTP bridge's limits (and api_keys, request_timeout again)
 
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
     add_option(parser, "--api-keys", type=parse_list, default=(),
                help="comma-separated client API keys; none turns authentication off")
-    add_option(parser, "--internal-token", default=None, help="shared secret sent to internal services")
+    internal_auth.add_arguments(parser)
     add_option(parser, "--request-timeout", type=float, default=600.0,
                help="deadline in seconds of requests whose caller set none")
     http_app.add_arguments(parser)
@@ -65,8 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        internal_token = internal_auth.token_from_args(args, "gateway")
+    except internal_auth.InternalAuthError as exc:
+        print(f"tandem gateway: {exc}", file=sys.stderr)
+        return 2
     config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
-                       http=http_app.config_from_args(args))
+                       http=http_app.config_from_args(args), internal_token=internal_token)
     if not config.model.is_dir():
         print(f"tandem gateway: model directory {config.model} not found; run `tandem model pull-default` "
               "or pass --model DIR", file=sys.stderr)
@@ -88,7 +94,8 @@ async def serve(config: GatewayConfig) -> None:
     channel = grpc.aio.insecure_channel(config.scheduler)
     pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
                                   config.internal_token, metrics=metrics)
-    server = create_server(config.host, config.port, api_keys=config.api_keys)
+    server = create_server(config.host, config.port, api_keys=config.api_keys,
+                           max_receive_bytes=PUBLIC_MESSAGE_BYTES)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
                        GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys)))
     await server.start()

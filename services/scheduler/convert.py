@@ -12,6 +12,7 @@ ROLE_FROM_PROTO = {
     common_pb2.WORKER_ROLE_COLOCATED: WorkerRole.COLOCATED,
 }
 ROLE_TO_PROTO = {role: number for number, role in ROLE_FROM_PROTO.items()}
+MAX_NAME_CHARS = 256  # worker id, address, model and device names: the registry stores each one
 
 
 def load_from_pb(msg: scheduler_pb2.WorkerLoad) -> WorkerLoad:
@@ -31,6 +32,10 @@ def info_from_pb(msg: scheduler_pb2.WorkerInfo) -> WorkerInfo:
     """Validated: InvalidRequest names the first bad field (worker.role, worker.address, ...)."""
     if not msg.worker_id:
         raise InvalidRequest("worker.worker_id", "must not be empty")
+    for field in ("worker_id", "address", "model", "device"):
+        if len(getattr(msg, field)) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"worker.{field}", f"at most {MAX_NAME_CHARS} characters, "
+                                                    f"got {len(getattr(msg, field))}")
     if msg.role not in ROLE_FROM_PROTO:
         raise InvalidRequest("worker.role", f"must be PREFILL, DECODE or COLOCATED, got {msg.role}")
     host, sep, port = msg.address.rpartition(":")

@@ -10,6 +10,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 
+from services.common import internal_auth
 from services.common.config import add_option, from_args
 from services.common.grpc_server import GrpcServer, create_server
 from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics_server
@@ -33,9 +34,9 @@ class SchedulerConfig:
     """host/port: the gRPC listen address. redis_url: the shared store (None: embedded, in-process).
     max_queue: requests that may wait for a worker before RESOURCE_EXHAUSTED. max_running: requests
     dispatched at once per decode (or colocated) worker; more wait in the queue. metrics_port: the
-    Prometheus endpoint (0: off). heartbeat_ttl: seconds a worker stays live after its last heartbeat.
-    internal_token: the secret internal callers present and this scheduler sends to workers
-    (`x-tandem-internal-token`; None: no auth)."""
+    Prometheus endpoint on `host` (0: off). heartbeat_ttl: seconds a worker stays live after its last
+    heartbeat. internal_token: the secret internal callers present and this scheduler sends to workers
+    (`x-tandem-internal-token`; None: open, only under --insecure-internal)."""
 
     host: str = "0.0.0.0"
     port: int = 50052
@@ -69,14 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--metrics-port", type=int, default=9102, help="Prometheus /metrics port (0: off)")
     add_option(parser, "--heartbeat-ttl", type=float, default=5.0,
                help="seconds a worker stays in the registry after its last heartbeat")
-    add_option(parser, "--internal-token", default=None,
-               help="shared secret of internal calls, required from callers and sent to workers")
+    internal_auth.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = from_args(SchedulerConfig, args)
+        config = from_args(SchedulerConfig, args, internal_token=internal_auth.token_from_args(args, "scheduler"))
     except ValueError as exc:
         print(f"tandem scheduler: {exc}", file=sys.stderr)
         return 2
@@ -92,7 +92,7 @@ async def serve(config: SchedulerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully."""
     tracing = setup_tracing("scheduler")
     metrics = ServiceMetrics("", "scheduler")
-    metrics_server = _start_metrics(config.metrics_port, metrics)
+    metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     clients = WorkerClients(config.internal_token)
     dispatcher = Dispatcher(WorkerRegistry(store, config.heartbeat_ttl), clients, max_queue=config.max_queue,
@@ -133,11 +133,11 @@ async def serve_once_store_answers(store: Store, server: GrpcServer) -> None:
     log.info("the %s store answers: SERVING", store.name)
 
 
-def _start_metrics(port: int, metrics: ServiceMetrics) -> MetricsServer | None:
+def _start_metrics(host: str, port: int, metrics: ServiceMetrics) -> MetricsServer | None:
     if port == 0:
         return None
     try:
-        return start_metrics_server(port, metrics.registry)
+        return start_metrics_server(host, port, metrics.registry)
     except OSError as exc:
         raise OSError(f"cannot serve metrics on port {port}: {exc}; pass another --metrics-port, or 0 for none") \
             from exc

@@ -8,6 +8,7 @@ import grpc
 
 from services.common.block_hash import BlockHash
 from services.common.errors import InvalidRequest
+from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
 from services.scheduler.dispatcher import Dispatcher
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -31,7 +32,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return self._dispatcher.submit(request, context)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted_ids=self._dispatcher.abort(list(request.request_ids)))
+        return common_pb2.AbortResponse(aborted_ids=self._dispatcher.abort(abort_ids(request)))
 
     async def Stats(self, request: scheduler_pb2.SchedulerStatsRequest, context) -> scheduler_pb2.SchedulerStats:
         return await self._dispatcher.stats(request.recent_routes)

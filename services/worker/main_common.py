@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.common.config import add_option, env_default, from_args, parse_address, parse_size
-from services.common.grpc_server import GrpcServer, create_server
+from services.common import internal_auth
+from services.common.config import add_option, from_args, parse_address, parse_size
+from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
 from services.common.model_store import ensure_default_model, model_name
 from services.common.tracing import setup_tracing
@@ -54,10 +56,10 @@ class WorkerConfig:
     max_batched_tokens: int = 2048
     chunk_size: int = 512
     kv_chunk_bytes: int = 1 << 20
-    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_port: int = 0  # 0: no metrics endpoint; else served on `host`, like the gRPC port
     attention: str = "auto"
     worker_id: str | None = None
-    internal_token: str | None = None
+    internal_token: str | None = None  # None: open, only under --insecure-internal
 
     @property
     def num_threads(self) -> int | None:
@@ -94,6 +96,7 @@ class RoleSpec:
     make_servicer: Callable[[WorkerConfig, ChannelPool], WorkerServicerBase]
     services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
     report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
+    max_receive_bytes: int = CONTROL_MESSAGE_BYTES  # MAX_MESSAGE_BYTES where KV chunks arrive
 
 
 def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
@@ -116,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--attention", default="auto", choices=("auto", "torch", "flash"),
                help="attention backend")
     add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
+    internal_auth.add_arguments(parser)
 
 
 def _scheduler_address(text: str) -> str | None:
@@ -123,9 +127,13 @@ def _scheduler_address(text: str) -> str | None:
 
 
 def main(args: argparse.Namespace, spec: RoleSpec) -> int:
-    config = from_args(WorkerConfig, args, internal_token=env_default("TANDEM_INTERNAL_TOKEN", None))
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
+    try:
+        config = from_args(WorkerConfig, args, internal_token=internal_auth.token_from_args(args, spec.name))
+    except internal_auth.InternalAuthError as exc:
+        print(f"tandem {spec.name}: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(run_worker(config, spec))
 
 
@@ -134,7 +142,8 @@ async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
     stopping = _stop_on_signals()
     channels = ChannelPool(config.internal_token)
     servicer = spec.make_servicer(config, channels)
-    server = create_server(config.host, config.port, internal_token=config.internal_token)
+    server = create_server(config.host, config.port, internal_token=config.internal_token,
+                           max_receive_bytes=spec.max_receive_bytes)
     for name, register in spec.services:
         server.add_service(name, register, servicer)
     await server.start()
@@ -183,7 +192,8 @@ async def _first_done(task: asyncio.Task, other: Awaitable[Any]) -> bool:
 async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, config: WorkerConfig,
                                stopping: asyncio.Event) -> int:
     registry = runtime.metrics.registry if runtime.metrics is not None else None
-    metrics = start_metrics_server(config.metrics_port, registry) if config.metrics_port and registry else None
+    metrics = (start_metrics_server(config.host, config.metrics_port, registry)
+               if config.metrics_port and registry else None)
     try:
         await _first_done(asyncio.create_task(stopping.wait()), runtime.failed.wait())
         log.info("stopping: leaving the registry, draining running requests (up to %.0f s)", SHUTDOWN_GRACE_S)

@@ -190,9 +190,12 @@ class Worker:
 def spawn_worker(role: str, scheduler: str, tmp: Path, *extra: str) -> Worker:
     port, metrics_port = free_port(), free_port()
     log = tmp / f"{role}-{port}.log"
-    env = {**os.environ, "TANDEM_RUN_DIR": str(tmp / "run")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_INTERNAL_TOKEN")},
+           "TANDEM_RUN_DIR": str(tmp / "run")}
+    # The stand-in scheduler checks no token; tests/integration/test_closed_by_default.py covers auth.
     command = [str(TANDEM), role, "--host", "127.0.0.1", "--port", str(port), "--scheduler", scheduler,
-               "--kv-memory", KV_MEMORY, "--threads", "1", "--metrics-port", str(metrics_port), *extra]
+               "--kv-memory", KV_MEMORY, "--threads", "1", "--metrics-port", str(metrics_port),
+               "--insecure-internal", *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return Worker(role, f"127.0.0.1:{port}", process, log, metrics_port)

@@ -100,7 +100,7 @@ def test_each_service_has_its_own_registry() -> None:
 def test_metrics_server_keeps_colons_even_when_openmetrics_is_asked_for() -> None:
     metrics = ServiceMetrics("m", "prefill-0")
     metrics.prompt_tokens.inc(7)
-    server = start_metrics_server(0, metrics.registry, host="127.0.0.1")
+    server = start_metrics_server("127.0.0.1", 0, metrics.registry)
     try:
         request = urllib.request.Request(
             f"http://127.0.0.1:{server.port}/metrics",

@@ -497,7 +497,8 @@ async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redi
 
 def test_tandem_scheduler_serves_and_reports_serving(tmp_path) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"TANDEM_RUN_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {
+        "TANDEM_RUN_DIR": str(tmp_path), "TANDEM_INTERNAL_TOKEN": TOKEN * 4}
     with open(tmp_path / "scheduler.log", "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "tandem.cli", "scheduler", "--host", "127.0.0.1",
                                     "--port", str(port), "--metrics-port", "0"], env=env,
