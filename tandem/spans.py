@@ -1,7 +1,8 @@
 """The span record Tandem's services write and `tandem trace` reads, and the names it uses.
 
-One JSON object per finished span, one span per line, in `spans-<service>.jsonl` files of the run
-directory; `SpanRecord` is that schema. `Attr`, `SpanName` and `Event` are the span vocabulary
+`spans-<service>.jsonl` files of the run directory hold one JSON object a line: a `SpanStart` when a
+span starts and its `SpanRecord` when it ends, so a reader can tell a span still open from one that
+never was. `Attr`, `SpanName` and `Event` are the span vocabulary
 (OpenTelemetry GenAI conventions where they exist, `tandem.*` for ours). Jaeger's query JSON is
 converted to the same records.
 """
@@ -148,35 +149,63 @@ class SpanRecord:
         )
 
 
+@dataclass(slots=True, frozen=True)
+class SpanStart:
+    """A span that has started. Until its `SpanRecord` is written too, it is open (or its process died)."""
+
+    trace_id: str
+    span_id: str
+    name: str
+    service: str
+    start_ns: int
+    request_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"started": True, "trace_id": self.trace_id, "span_id": self.span_id, "name": self.name,
+                "service": self.service, "start_ns": self.start_ns, "request_id": self.request_id}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SpanStart:
+        """Parse one start line; raises KeyError/TypeError/ValueError on a malformed one."""
+        request_id = obj.get("request_id")
+        return cls(trace_id=str(obj["trace_id"]), span_id=str(obj["span_id"]), name=str(obj["name"]),
+                   service=str(obj["service"]), start_ns=int(obj["start_ns"]),
+                   request_id=str(request_id) if request_id is not None else None)
+
+
 def span_file(run_dir: Path, service: str) -> Path:
     """The file a service appends its finished spans to."""
     return run_dir / f"{SPAN_FILE_PREFIX}{service}{SPAN_FILE_SUFFIX}"
 
 
-def encode_records(records: Iterable[SpanRecord]) -> bytes:
+def encode_records(records: Iterable[SpanRecord | SpanStart]) -> bytes:
     """JSON lines for `records`, ready to append to a span file in one write."""
     return b"".join(json.dumps(r.to_json(), separators=(",", ":")).encode() + b"\n" for r in records)
 
 
 @dataclass(slots=True)
 class LoadedSpans:
-    spans: list[SpanRecord]
+    spans: list[SpanRecord]  # finished spans
     files: list[Path]
     malformed_lines: int  # a line cut short by a crash, for example; skipped
+    started: list[SpanStart] = field(default_factory=list)  # every span that started, finished or not
 
 
 def load_span_files(run_dir: Path) -> LoadedSpans:
     """Every span in the run directory's span files (all services)."""
     files = sorted(run_dir.glob(f"{SPAN_FILE_PREFIX}*{SPAN_FILE_SUFFIX}"))
-    spans: list[SpanRecord] = []
-    malformed = 0
+    loaded = LoadedSpans([], files, 0)
     for path in files:
         for line in _read_lines(path):
             try:
-                spans.append(SpanRecord.from_json(json.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                malformed += 1
-    return LoadedSpans(spans, files, malformed)
+                obj = json.loads(line)
+                if obj.get("started"):
+                    loaded.started.append(SpanStart.from_json(obj))
+                else:
+                    loaded.spans.append(SpanRecord.from_json(obj))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                loaded.malformed_lines += 1
+    return loaded
 
 
 def _read_lines(path: Path) -> Iterator[str]:

@@ -1,7 +1,8 @@
 """Span trees for one request, and the waterfall views `tandem trace` prints.
 
-Pure functions over `SpanRecord`s: select a request's spans, link them into a tree by parent
-ids (across services), and render it as terminal text, JSON or a self-contained HTML page.
+Pure functions over `SpanRecord`s: select a request's spans, find what its trace still lacks,
+link them into a tree by parent ids (across services), and render it as terminal text, JSON or a
+self-contained HTML page.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tandem.spans import Attr, Event, SpanRecord
+from tandem.spans import Attr, Event, SpanRecord, SpanStart
 
 _HIDDEN_ATTRS = {Attr.REQUEST_ID}
 _MAX_VALUE_CHARS = 80
@@ -32,6 +33,43 @@ def request_spans(spans: Iterable[SpanRecord], request_id: str) -> list[SpanReco
     trace_ids = {s.trace_id for s in spans if s.request_id == request_id}
     unique = {(s.trace_id, s.span_id): s for s in spans if s.trace_id in trace_ids}
     return list(unique.values())
+
+
+@dataclass(slots=True, frozen=True)
+class Gaps:
+    """What a request's trace lacks before it is whole: spans that started but are not written
+    (still open, or their process died), and written spans whose parent is neither written nor
+    known to have started (Jaeger keeps no start lines, so there only these show a gap)."""
+
+    open: tuple[SpanStart, ...] = ()
+    orphans: tuple[SpanRecord, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.open and not self.orphans
+
+    def describe(self) -> str:
+        """'N span(s) not written yet (names); M span(s) whose parent is not written yet'."""
+        parts = []
+        if self.open:
+            names = ", ".join(sorted({s.name for s in self.open}))
+            parts.append(f"{len(self.open)} span(s) not written yet ({names})")
+        if self.orphans:
+            parts.append(f"{len(self.orphans)} span(s) whose parent is not written yet")
+        return "; ".join(parts)
+
+
+def trace_gaps(spans: list[SpanRecord], started: Iterable[SpanStart] = (), request_id: str | None = None) -> Gaps:
+    """The gaps of a request's trace: `spans` are its written spans (`request_spans`), `started` the
+    start lines of the span files. Start lines that carry `request_id` count even when none of
+    their trace is written yet: the request is still running."""
+    trace_ids = {s.trace_id for s in spans}
+    written = {(s.trace_id, s.span_id) for s in spans}
+    open_spans = tuple(s for s in started if (s.trace_id in trace_ids or (request_id and s.request_id == request_id))
+                       and (s.trace_id, s.span_id) not in written)
+    known = written | {(s.trace_id, s.span_id) for s in open_spans}
+    orphans = tuple(s for s in spans if s.parent_span_id and (s.trace_id, s.parent_span_id) not in known)
+    return Gaps(open_spans, orphans)
 
 
 def build_tree(spans: Iterable[SpanRecord]) -> list[SpanNode]:
@@ -137,17 +175,20 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms"
 
 
-def render_text(request_id: str, roots: list[SpanNode], bar_width: int = 40, color: bool = False) -> str:
+def render_text(request_id: str, roots: list[SpanNode], bar_width: int = 40, color: bool = False,
+                gaps: Gaps = Gaps()) -> str:
     """The terminal waterfall: one row per span (indented by depth), start offset, duration,
-    a bar placed on the request's time axis, and the span's key attributes under it."""
+    a bar placed on the request's time axis, and the span's key attributes under it. The first
+    line ends with INCOMPLETE and the gaps while the trace has any."""
     rows = list(walk(roots))
     t0, t1 = _time_range(rows)
     total = max(t1 - t0, 1)
     name_width = min(max(2 * d + len(n.span.name) for d, n in rows), 48)
     service_width = max(len(_service(n.span)) for _, n in rows)
     traces = sorted({n.span.trace_id for _, n in rows})
+    incomplete = "" if gaps.complete else f"  INCOMPLETE: {gaps.describe()}"
     lines = [f"request {request_id}  trace {', '.join(traces)}  "
-             f"{len({n.span.service for _, n in rows})} services  {len(rows)} spans  {_ms(total / 1e9)}",
+             f"{len({n.span.service for _, n in rows})} services  {len(rows)} spans  {_ms(total / 1e9)}{incomplete}",
              f"{'SPAN'.ljust(name_width)}  {'SERVICE'.ljust(service_width)}  {'START':>9}  {'DURATION':>9}  "
              f"|{'0'.ljust(bar_width // 2)}{_ms(total / 1e9).rjust(bar_width - bar_width // 2)}|"]
     for depth, node in rows:
@@ -208,17 +249,21 @@ def _value(value: Any) -> str:
     return text if len(text) <= _MAX_VALUE_CHARS else text[: _MAX_VALUE_CHARS - 1] + "…"
 
 
-def render_json(request_id: str, roots: list[SpanNode]) -> str:
-    return json.dumps({"request_id": request_id, "spans": tree_to_json(roots)}, indent=2)
+def render_json(request_id: str, roots: list[SpanNode], gaps: Gaps = Gaps()) -> str:
+    """`complete` is false while the trace has gaps, and `missing` says which."""
+    document = {"request_id": request_id, "complete": gaps.complete, "missing": gaps.describe(),
+                "spans": tree_to_json(roots)}
+    return json.dumps(document, indent=2)
 
 
-def render_html(request_id: str, roots: list[SpanNode]) -> str:
+def render_html(request_id: str, roots: list[SpanNode], gaps: Gaps = Gaps()) -> str:
     """A self-contained page (inline CSS, no scripts or remote assets) with the waterfall."""
     rows = list(walk(roots))
     t0, t1 = _time_range(rows)
     total = max(t1 - t0, 1)
     body = "\n".join(_html_row(depth, node.span, t0, total) for depth, node in rows)
-    title = html.escape(f"Tandem trace {request_id}")
+    incomplete = "" if gaps.complete else f" (INCOMPLETE: {gaps.describe()})"
+    title = html.escape(f"Tandem trace {request_id}{incomplete}")
     return _HTML_PAGE.format(title=title, total=_ms(total / 1e9), count=len(rows), rows=body)
 
 

@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import tandem
 from services.common.tokenizer import TextCodec
 from tests.e2e.api import API_KEY, AUTH, prompt_of, sse_events
+from tests.waiting import DEADLINE_S, wait_until
 
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 FRANCE = "The capital of France is"
@@ -71,26 +71,23 @@ def test_sse_framing_done_usage_chunk_and_id_headers(http):
     assert whole.headers["x-trace-id"] != response.headers["x-trace-id"]
 
 
-def gateway_span(run_dir: Path, request_id: str) -> dict | None:
-    """The gateway's span of a request as `tandem trace REQUEST_ID --format json` shows it (None until
-    the gateway has written it)."""
-    command = [sys.executable, "-m", "tandem.cli", "trace", request_id, "--format", "json"]
+def whole_trace(run_dir: Path, request_id: str) -> dict:
+    """`tandem trace REQUEST_ID --format json` once every span of the request is written: `--wait`
+    polls the span files until no started span lacks its record."""
+    command = [sys.executable, "-m", "tandem.cli", "trace", request_id, "--format", "json", "--wait", str(DEADLINE_S)]
     shown = subprocess.run(command, env={**os.environ, "TANDEM_RUN_DIR": str(run_dir)}, capture_output=True,
-                           text=True, timeout=60)
-    if shown.returncode != 0:
-        return None
-    return next((s for s in json.loads(shown.stdout)["spans"] if s["name"] == "gateway.generate"), None)
+                           text=True, timeout=DEADLINE_S + 60)
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
 
 
 def test_the_request_id_header_finds_the_trace_of_the_trace_id_header(http, mesh_run_dir):
     response = http.post("/v1/completions", json={"prompt": FRANCE, "max_tokens": 3},
                          headers={"x-request-id": "e2e-trace-1"})
-    deadline = time.monotonic() + 30
-    while (span := gateway_span(mesh_run_dir, "e2e-trace-1")) is None:
-        assert time.monotonic() < deadline, "tandem trace never showed the gateway's span"
-        time.sleep(0.5)
-    assert (span["trace_id"], span["attributes"]["tandem.request_id"]) == (response.headers["x-trace-id"],
-                                                                           "e2e-trace-1")
+    trace = whole_trace(mesh_run_dir, "e2e-trace-1")
+    (span,) = trace["spans"]  # one root
+    assert (span["name"], span["trace_id"], span["attributes"]["tandem.request_id"]) == (
+        "gateway.generate", response.headers["x-trace-id"], "e2e-trace-1")
     assert {child["name"] for child in span["children"]} == {"scheduler.submit"}
 
 
@@ -209,10 +206,7 @@ def test_client_disconnect_before_the_first_token_frees_the_blocks(mesh):
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(head + payload)
-        deadline = time.monotonic() + 30
-        while mesh.worker_stats("prefill-0").referenced_blocks == 0:
-            assert time.monotonic() < deadline, "the request never reached the prefill worker"
-            time.sleep(0.02)
+        wait_until(lambda: mesh.worker_stats("prefill-0").referenced_blocks, "the request on the prefill worker")
         sock.settimeout(0.0)
         with pytest.raises(BlockingIOError):
             sock.recv(1)  # no response yet: the prompt is still prefilling

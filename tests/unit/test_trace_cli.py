@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from services.common.tracing import extract_context, inject_metadata, setup_tracing
-from tandem import cli
-from tandem.spans import Attr, SpanEvent, SpanName, SpanRecord, encode_records, span_file
+from tandem import cli, trace_cli
+from tandem.spans import Attr, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -84,15 +84,28 @@ def _all_spans() -> list[SpanRecord]:
             + _other_request("req-8", "22" * 16, T0 + 10**9))
 
 
+def _start(span: SpanRecord) -> SpanStart:
+    return SpanStart(span.trace_id, span.span_id, span.name, span.service, span.start_ns, span.request_id)
+
+
+def _write(run_dir: Path, spans: list[SpanRecord], started: list[SpanRecord]) -> None:
+    """Span files as the services write them: a start line per started span, a record per ended one."""
+    for service in ("gateway", "scheduler", "prefill", "decode"):
+        lines = [_start(s) for s in started if s.service == service] + [s for s in spans if s.service == service]
+        with span_file(run_dir, service).open("ab") as f:
+            f.write(encode_records(lines))
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    spans = _all_spans()
-    for service in ("gateway", "scheduler", "prefill", "decode"):
-        mine = [s for s in spans if s.service == service]
-        span_file(tmp_path, service).write_bytes(encode_records(mine))
+    _write(tmp_path, _all_spans(), started=_all_spans())
     with span_file(tmp_path, "decode").open("a") as f:
         f.write('{"trace_id": "cut short by a cr\n')
     return tmp_path
+
+
+def _by_name(name: str) -> SpanRecord:
+    return next(s for s in _request_7() if s.name == name)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -181,6 +194,72 @@ def test_last_as_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None
               for r in json.loads(out)]
     assert listed == [("req-8", 0.04, 5, 1, 0.05, "length"), ("req-7", 0.12, 28, 20, 0.4, "stop"),
                       ("req-6", 0.04, 5, 1, 0.05, "length")]
+
+
+def test_a_span_still_open_marks_the_trace_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    written = [s for s in _request_7() if s.name != SpanName.DECODE]
+    _write(tmp_path, written, started=_request_7())
+
+    code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path))
+    assert code == trace_cli.EXIT_INCOMPLETE == 3
+    assert out.splitlines()[0] == (f"request req-7  trace {TRACE}  4 services  10 spans  400.0ms  "
+                                   "INCOMPLETE: 1 span(s) not written yet (decode.request)")
+    assert err == ("tandem trace: trace incomplete: 1 span(s) not written yet (decode.request); rerun in a "
+                   "moment, or pass --wait SECONDS\n")
+
+    code, out, _ = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--format", "json")
+    document = json.loads(out)
+    assert (code, document["complete"], document["missing"]) == (3, False, "1 span(s) not written yet (decode.request)")
+
+
+def test_spans_whose_parent_is_not_written_mark_the_trace_incomplete(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The scheduler's span and its start line are both missing: its five children are orphans.
+    spans = [s for s in _request_7() if s.name != SpanName.SCHEDULER_SUBMIT]
+    _write(tmp_path, spans, started=spans)
+
+    code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--format", "json")
+    document = json.loads(out)
+    assert (code, document["complete"]) == (3, False)
+    assert document["missing"] == "5 span(s) whose parent is not written yet"
+    assert err.startswith("tandem trace: trace incomplete: 5 span(s) whose parent is not written yet;")
+
+
+def test_a_request_with_only_start_lines_is_still_running(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, [], started=_request_7()[:2])
+
+    code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path))
+    assert (code, out) == (3, "")
+    assert err == ("tandem trace: request 'req-7' is still running: 2 span(s) not written yet (gateway.generate, "
+                   "scheduler.submit); rerun in a moment, or pass --wait SECONDS\n")
+
+
+def test_wait_polls_until_the_trace_is_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    decode = _by_name(SpanName.DECODE)
+    _write(tmp_path, [s for s in _request_7() if s.name != decode.name], started=_request_7())
+    polls: list[float] = []
+
+    def decode_ends_during_the_first_poll(seconds: float) -> None:
+        if not polls:
+            _write(tmp_path, [decode], started=[])
+        polls.append(seconds)
+
+    monkeypatch.setattr(trace_cli.time, "sleep", decode_ends_during_the_first_poll)
+    code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--wait", "30")
+    assert (code, err, len(polls)) == (0, "", 1)
+    assert _rows(out) == EXPECTED_ROWS
+    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  11 spans  400.0ms"
+
+
+def test_wait_gives_up_on_a_trace_that_stays_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, [s for s in _request_7() if s.name != SpanName.DECODE], started=_request_7())
+    code, _, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--wait", "0.2")
+    assert code == 3 and err.startswith("tandem trace: trace incomplete: 1 span(s) not written yet")
+
+    code, _, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--wait", "-1")
+    assert (code, err) == (2, "tandem trace: --wait must be 0 or more seconds, got -1.0\n")
 
 
 def test_unknown_request_and_missing_files_say_what_to_do(run_dir: Path, tmp_path: Path,
