@@ -22,6 +22,10 @@ TANDEM_HOME = "/var/lib/tandem"  # the model-cache volume, mounted in every Tand
 SCHEDULER = "scheduler:50052"
 SCHEDULER_PORT, SCHEDULER_METRICS_PORT = 50052, 9102
 GATEWAY_PORT, GATEWAY_HTTP_PORT = 50051, 8000
+# The internal token, interpolated by compose from infra/.env: `docker compose up` stops with this
+# message when it is unset or empty. It is also Redis's password.
+INTERNAL_TOKEN = "${TANDEM_INTERNAL_TOKEN:?set TANDEM_INTERNAL_TOKEN in infra/.env}"
+REDIS_CONFIG = "/usr/local/etc/redis/tandem.conf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,7 @@ def _anchors() -> _Anchors:
     })  # fmt: skip
     environment = _Anchored("tandem-environment", {
         "TANDEM_HOME": TANDEM_HOME,
+        "TANDEM_INTERNAL_TOKEN": INTERNAL_TOKEN,
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317",
     })  # fmt: skip
     # start_period covers loading the model onto the GPU; a service is healthy at its first pass.
@@ -216,7 +221,10 @@ def _redis() -> dict:
     return {
         "image": REDIS_IMAGE,
         # Soft state only (worker registry, prefix index): workers re-announce it after a restart.
-        "command": _Flow(["redis-server", "--save", "", "--appendonly", "no"]),
+        # The password comes in a config file, not as an argument, which the host's `ps` would show.
+        "command": _Flow(["redis-server", REDIS_CONFIG, "--save", "", "--appendonly", "no"]),
+        "configs": [{"source": "redis-password", "target": REDIS_CONFIG}],
+        "environment": {"REDISCLI_AUTH": INTERNAL_TOKEN},  # for the health check's redis-cli
         "networks": ["internal"],
         "restart": "unless-stopped",
         "healthcheck": {"test": _Flow(["CMD", "redis-cli", "ping"]), "interval": "5s", "timeout": "3s", "retries": 12},
@@ -251,8 +259,10 @@ def _model_init(anchors: _Anchors) -> dict:
 
 def _scheduler(anchors: _Anchors) -> dict:
     command = ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT),
-               "--redis-url", "redis://redis:6379/0", "--metrics-port", str(SCHEDULER_METRICS_PORT)]  # fmt: skip
+               "--metrics-port", str(SCHEDULER_METRICS_PORT)]  # fmt: skip
     service = _tandem_service(anchors, anchors.service, "scheduler", command, SCHEDULER_PORT)
+    # By environment, not argument: the URL carries Redis's password.
+    service["environment"]["TANDEM_REDIS_URL"] = f"redis://:{INTERNAL_TOKEN}@redis:6379/0"
     service["depends_on"] = {"redis": {"condition": "service_healthy"}}
     return service
 
@@ -294,6 +304,7 @@ def compose_document(topology: Topology) -> dict[str, Any]:
         "services": services,
         "networks": {"internal": {"internal": True}, "public": {}},
         "volumes": {"model-cache": {}},
+        "configs": {"redis-password": {"content": f"requirepass {INTERNAL_TOKEN}"}},
     }
 
 

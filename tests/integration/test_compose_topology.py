@@ -4,8 +4,9 @@ Every service starts from the compose file's own `command` and `environment`, in
 `depends_on` order, on the network of tests/integration/compose_network.py: as root, its own
 network namespace, where the compose names resolve and its arguments run unmodified; otherwise
 loopback ports. The model-cache volume is the local model cache, GPU reservations are ignored and
-`--device cuda:N` runs on the CPU; a stand-in OTLP collector plays Jaeger. This proves the flags,
-variables and health checks written in the compose file are the ones the services accept.
+`--device cuda:N` runs on the CPU; a stand-in OTLP collector plays Jaeger. Variables are
+interpolated from the env file, as compose does, and configs become local files. This proves the
+flags, variables and health checks written in the compose file are the ones the services accept.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import grpc
 import pytest
 import yaml
 
+from tests.compose_env import interpolate
 from tests.integration.compose_network import LISTEN_FLAGS, ComposeNetwork, open_network
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +79,18 @@ def volume_mounts(services: dict[str, Any], volumes: dict[str, Path]) -> dict[st
         name: {target: volumes[source] for source, target in (v.split(":", 1) for v in svc.get("volumes", []))}
         for name, svc in services.items()
     }
+
+
+def config_files(document: dict[str, Any], directory: Path) -> dict[str, dict[str, Path]]:
+    """service -> container path -> a local file holding the config mounted there (inline `content`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mounts: dict[str, dict[str, Path]] = {}
+    for name, service in document["services"].items():
+        for config in service.get("configs", []):
+            path = directory / config["source"]
+            path.write_text(document["configs"][config["source"]]["content"])
+            mounts.setdefault(name, {})[config["target"]] = path
+    return mounts
 
 
 @dataclass(slots=True)
@@ -241,14 +255,16 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    document = yaml.safe_load(COMPOSE.read_text())
+    # infra/.env as a user writes it: .env.example with the secrets filled in.
+    api_key = secrets.token_hex(16)
+    env_file = _read_env_file(ENV_EXAMPLE) | {"TANDEM_API_KEYS": api_key, "TANDEM_INTERNAL_TOKEN": secrets.token_hex(8)}
+    document = interpolate(yaml.safe_load(COMPOSE.read_text()), env_file)
     services = document["services"]
     workdir = tmp_path_factory.mktemp("compose")
     # The model-cache volume is this machine's model cache, where the default model already is.
     mounts = volume_mounts(services, {"model-cache": default_model_dir.parents[1]})
-    # infra/.env as a user writes it: .env.example with the secrets filled in.
-    api_key = secrets.token_hex(16)
-    env_file = _read_env_file(ENV_EXAMPLE) | {"TANDEM_API_KEYS": api_key, "TANDEM_INTERNAL_TOKEN": secrets.token_hex(8)}
+    for service, files in config_files(document, workdir / "configs").items():
+        mounts[service] |= files
     network = open_network(services)
     compose = LocalCompose(services, network, mounts, env_file, workdir)
     collector: SpanCollector | None = None

@@ -23,6 +23,7 @@ import yaml
 
 from tandem import deploy_cli
 from tandem.deploy_cli import Topology
+from tests.compose_env import MissingVariable, interpolate
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -262,12 +263,37 @@ def test_long_running_services_restart(compose: dict[str, Any]) -> None:
 def test_secrets_come_only_from_the_env_file(compose: dict[str, Any]) -> None:
     for name, service in tandem_services(compose).items():
         assert service["env_file"] == ".env", name
-        assert not SECRETS & set(service["environment"]), name
-    assert not any(secret in COMPOSE.read_text() for secret in SECRETS)
+    # A secret appears in the file only as a reference that compose fills in from infra/.env.
+    text = COMPOSE.read_text()
+    assert "TANDEM_API_KEYS" not in text
+    assert set(re.findall(r"\$\{?(\w+)", text)) == {"TANDEM_IMAGE", "TANDEM_INTERNAL_TOKEN"}
     settings = dict(
         line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")
     )
     assert settings == {secret: "" for secret in SECRETS}
+
+
+def test_compose_refuses_to_start_without_the_internal_token(compose: dict[str, Any]) -> None:
+    for env in ({}, {"TANDEM_INTERNAL_TOKEN": ""}):
+        with pytest.raises(MissingVariable) as missing:
+            interpolate(compose, env)
+        assert str(missing.value) == ("required variable TANDEM_INTERNAL_TOKEN is missing a value: "
+                                      "set TANDEM_INTERNAL_TOKEN in infra/.env")
+
+
+def test_the_internal_token_reaches_every_service_and_is_redis_password(compose: dict[str, Any]) -> None:
+    token = "t0ken-from-the-env-file"
+    document = interpolate(compose, {"TANDEM_INTERNAL_TOKEN": token})
+    services = document["services"]
+    for name, service in tandem_services(document).items():
+        assert service["environment"]["TANDEM_INTERNAL_TOKEN"] == token, name
+        assert not any(token in arg for arg in service["command"]), name  # `ps` shows arguments
+    assert services["scheduler"]["environment"]["TANDEM_REDIS_URL"] == f"redis://:{token}@redis:6379/0"
+    redis = services["redis"]
+    (config,) = redis["configs"]
+    assert redis["command"] == ["redis-server", config["target"], "--save", "", "--appendonly", "no"]
+    assert document["configs"][config["source"]] == {"content": f"requirepass {token}"}
+    assert redis["environment"] == {"REDISCLI_AUTH": token}
 
 
 def test_every_service_traces_to_jaeger_under_its_own_name(compose: dict[str, Any]) -> None:
