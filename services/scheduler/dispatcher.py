@@ -1,16 +1,21 @@
 """The life of a request in the scheduler, from its Submit call to the end of its stream.
 
-Model: a request is admitted (at once, after a wait in the queue, or refused), routed, started
-on its workers (launcher.py), and relayed until its final event: token 0 from the prefill worker,
-the rest from the decode worker, each on its own ReportTokens stream (or all from a colocated one).
-Whatever ends the stream (final event, Abort, error, the call cancelled, the deadline), `_close`
-runs exactly once: the request leaves every table, what workers still hold for it is aborted
-unless it finished, and a decode reservation it never used is released.
+Model: a request waits its turn in the queue (admission.py) until it may run and a decode worker
+has room for its KV, or is refused; then it is routed, started on its workers (launcher.py), and
+relayed until its final event: token 0 from the prefill worker, the rest from the decode worker,
+each on its own ReportTokens stream (or all from a colocated one). A request whose Reserve every
+decode worker refused for lack of blocks goes back to the head of the queue until one reports
+room. Whatever ends the stream (final event, Abort, error, the call cancelled, the deadline),
+`_close` runs exactly once: the request leaves every table, what workers still hold for it is
+aborted unless it finished, and a decode reservation it never used is released.
 
-Failures reach the gateway as the Submit call's gRPC status, never as an in-band error event:
-UNAVAILABLE when a worker holding the request is lost (its token stream ends or its heartbeat
-lapses) or no worker can serve it; RESOURCE_EXHAUSTED with `retry-after` when the queue is full
-or no decode worker has room; DEADLINE_EXCEEDED; a worker's own status otherwise.
+Failures reach the gateway as the Submit call's gRPC status, never as an in-band error event,
+with a stable message naming the request id (failures.py; the detail goes to the log and span):
+INVALID_ARGUMENT when the prompt's KV fits on no decode worker; RESOURCE_EXHAUSTED with the retry
+hint from the queue's drain rate (trailing `retry-after`, whole seconds, and `retry-after-ms`)
+when the queue is full; UNAVAILABLE when a worker holding the request is lost (its token stream
+ends, its heartbeat lapses, or a call to it is cut) or no worker can serve it; DEADLINE_EXCEEDED;
+a worker's own status code otherwise; INTERNAL for anything unexpected.
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError
 from services.common.metrics import ServiceMetrics
 from services.common.store import WorkerLoad, WorkerRole
 from services.common.tracing import Attr, SpanName, TokenTimings, extract_context
 from services.common.wire import FINISH_REASON_FROM_PROTO
-from services.scheduler.admission import Admission
+from services.scheduler import failures
+from services.scheduler.admission import Admission, TicketState
 from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, RequestState
 from services.scheduler.launcher import Launcher
-from services.scheduler.planner import RoutePlan, plan_route
+from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.relay import Relay
 from services.scheduler.router import cached_tokens
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 _SEED_BITS = 63
 _FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+_ERROR = common_pb2.FINISH_REASON_ERROR
 
 
 class Dispatcher:
@@ -61,7 +68,7 @@ class Dispatcher:
         self.admission = Admission(max_queue, self._capacity)
         self.counters = Counters()
         self.streams = TokenStreams(self.on_token_batch, self.worker_lost)
-        self._launcher = Launcher(clients, self._spawn)
+        self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl)
         self._max_running = max_running
         self._metrics = metrics or ServiceMetrics("", "scheduler")
         self._tracer = tracer or trace.get_tracer("tandem.scheduler")
@@ -90,15 +97,13 @@ class Dispatcher:
 
     async def submit(self, request: scheduler_pb2.SubmitRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """The request's events, in order, up to the final one; failures raise TandemError."""
+        """The request's events, in order, up to the final one; every failure raises TandemError."""
         if request.request_id in self.inflight:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight; ids must be unique")
         state = self._open(request, context)
         context.add_done_callback(lambda _: self._close(state))  # also when the stream is cut mid-write
         try:
-            await self._admit(state)
-            if state.admitted and not state.relay.closed:
-                await self._start(state)
+            await self._place(state)
             with self._relay_span(state) as timings:
                 async for event in state.relay.events(state.deadline.remaining):
                     if event.token_ids:
@@ -107,6 +112,14 @@ class Dispatcher:
         except TandemError as error:
             state.error = error
             raise
+        except asyncio.CancelledError:
+            if failures.caller_cancelled():
+                raise  # the Submit call ended: nobody is left to tell
+            state.error = failures.interrupted(state)
+            raise state.error from None
+        except Exception as exc:
+            state.error = failures.internal(state, exc)
+            raise state.error from None
         finally:
             self._close(state)
 
@@ -118,8 +131,8 @@ class Dispatcher:
             if state is None or state.relay.closed:
                 continue
             state.relay.finish(common_pb2.FINISH_REASON_ABORT)
-            if state.ticket is not None and not state.ticket.done():
-                self.admission.withdraw(state.ticket)
+            if state.ticket is not None and state.ticket.state is TicketState.WAITING:
+                self.admission.leave(state.ticket)
             aborted.append(request_id)
         return aborted
 
@@ -136,41 +149,67 @@ class Dispatcher:
         self.counters.submitted += 1
         return state
 
-    async def _admit(self, state: RequestState) -> None:
-        with self._child_span(state, SpanName.SCHEDULER_QUEUE):
-            state.ticket = self.admission.enter()
-            self._update_gauges()
-            if state.ticket is None:
-                state.admitted = True
-            else:
-                try:
-                    state.admitted = await asyncio.wait_for(asyncio.shield(state.ticket), state.deadline.remaining())
-                except TimeoutError:
-                    raise DeadlineExceeded(f"request {state.request_id} passed its deadline in the scheduler's "
-                                           f"queue ({self.admission.waiting} waiting)") from None
-        state.queued_s = time.monotonic() - state.arrival
+    async def _place(self, state: RequestState) -> None:
+        """Wait for the request's turn, then route and start it; back to the head of the queue while
+        no decode worker has room for its KV. Returns when it runs, or when its stream has ended."""
+        self._check_fits(state)
+        state.ticket = self.admission.enter(state.request_id, lambda: self._ready(state))
+        while await self._wait_turn(state):
+            if await self._start(state):
+                break
+            self.admission.requeue(state.ticket)
         self._metrics.request_queue_time.observe(state.queued_s)
         self._update_gauges()
 
-    async def _start(self, state: RequestState) -> None:
-        """Route the request, reserve its decode blocks, and start it on its workers."""
+    async def _wait_turn(self, state: RequestState) -> bool:
+        """Wait until the ticket is let in; False when the request left the queue (aborted)."""
+        assert state.ticket is not None
+        with self._child_span(state, SpanName.SCHEDULER_QUEUE):
+            self._update_gauges()
+            try:
+                turn = await asyncio.wait_for(asyncio.shield(state.ticket.turn), state.deadline.remaining())
+            except TimeoutError:
+                raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
+                                       f"queue ({self.admission.waiting} waiting)") from None
+        state.queued_s = time.monotonic() - state.arrival
+        return turn and not state.relay.closed
+
+    def _ready(self, state: RequestState) -> bool:
+        """The request's KV may fit now (or will never: routing then refuses it at once)."""
+        return room(self.registry, self.inflight, state.request) is not Room.LATER
+
+    def _check_fits(self, state: RequestState) -> None:
+        if room(self.registry, self.inflight, state.request) is Room.NEVER:
+            raise never_fits(self.registry, state.request)
+
+    async def _start(self, state: RequestState) -> bool:
+        """Route the request, reserve its decode blocks, and start it on its workers. False when no
+        decode worker had room for it after all; True once it started, or its stream ended meanwhile."""
+        self._check_fits(state)
         with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
             plan = await plan_route(self.registry, self.inflight, state.request)
             if state.relay.closed:
-                return
+                return True
             self._assign_prefill(state, plan)
-            decode, block_ids = (None, []) if plan.colocated else await self._launcher.reserve(state, plan)
+            decode, block_ids = None, []
+            if not plan.colocated:
+                reserved = await self._launcher.reserve(state, plan)
+                if reserved is None:
+                    span.set_attribute(Attr.ROUTE_SCORES, plan.scores_json())
+                    return state.relay.closed
+                decode, block_ids = reserved
             state.route = plan.route_info(state.request_id, decode.worker_id if decode else "", state.reserved_blocks)
             self.counters.routes.append(state.route)
             span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
                                  Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
                                  Attr.ROUTE_SCORES: plan.scores_json()})
         if state.relay.closed:
-            return
+            return True
         if plan.colocated:
             await self._launcher.run(state)
         else:
             self._launcher.prefill(state, block_ids)
+        return True
 
     def _assign_prefill(self, state: RequestState, plan: RoutePlan) -> None:
         best = plan.prefill[0]
@@ -219,10 +258,8 @@ class Dispatcher:
         state.closed = True
         state.relay.finish(common_pb2.FINISH_REASON_ABORT)  # nothing more is delivered
         self.inflight.remove(state.request_id)
-        if state.admitted:
-            self.admission.release(time.monotonic() - state.arrival - state.queued_s)
-        elif state.ticket is not None:
-            self.admission.withdraw(state.ticket)
+        if state.ticket is not None:
+            self.admission.leave(state.ticket)
         outcome = _outcome(state)
         self.counters.outcomes[outcome] += 1
         if outcome is Outcome.COMPLETED:
@@ -247,6 +284,9 @@ class Dispatcher:
                 continue  # ended already (aborted, failed): late tokens are dropped
             if not event.worker_id:
                 event.worker_id = worker_id
+            if event.finish_reason == _ERROR:
+                state.relay.fail(failures.from_event(state, event))
+                continue
             if event.output_offset == 0:
                 state.prefill_pending = False
             if state.decode is not None and worker_id == state.decode.info.worker_id:
@@ -254,14 +294,15 @@ class Dispatcher:
             state.relay.push(event)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
-        """Fail every request the worker holds with UNAVAILABLE and stop routing to it."""
+        """Fail every request the worker holds with UNAVAILABLE and stop routing to it. A request
+        whose Reserve it had in flight is not failed: closing the channel cuts the call, and the
+        request tries the next decode worker."""
         held = self.inflight.held_by(worker_id)
         address = held[0].holders[worker_id].info.address if held else None
         for state in held:
             del state.holders[worker_id]
-            state.relay.fail(Unavailable(
-                f"worker {worker_id} was lost ({reason}) while it held request {state.request_id}, "
-                f"after {state.relay.next_offset} token(s); retry the request"))
+            if state.decode is not None or state.colocated:
+                state.relay.fail(failures.lost(state, worker_id, reason))
         log.warning("worker %s lost (%s): %d request(s) failed", worker_id, reason, len(held))
         self._draining.discard(worker_id)
         self.registry.forget(worker_id)
@@ -273,10 +314,12 @@ class Dispatcher:
         known = await self.registry.heartbeat(worker_id, load)
         if not known and self.inflight.held_by(worker_id):
             self.worker_lost(worker_id, "its heartbeat lapsed")
+        self.admission.grant()  # the worker may report freed blocks
+        self._update_gauges()
         return known
 
     def worker_registered(self) -> None:
-        """A worker joined: more requests may run."""
+        """A worker joined: more requests may run, and its blocks are free."""
         self.admission.grant()
         self._update_gauges()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from services.common.store import WorkerRecord
+from services.scheduler.admission import Ticket
 from services.scheduler.deadline import Deadline
 from services.scheduler.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2
@@ -32,8 +33,7 @@ class RequestState:
     seed: int = 0
     arrival: float = field(default_factory=time.monotonic)
     queued_s: float = 0.0
-    ticket: asyncio.Future[bool] | None = None  # its place in the waiting queue, if it had to wait
-    admitted: bool = False
+    ticket: Ticket | None = None  # its place in the waiting queue, then its running slot
     colocated: bool = False
     prefill: WorkerRecord | None = None  # the colocated worker in colocated mode
     decode: WorkerRecord | None = None

@@ -5,6 +5,11 @@ decode worker that has room, then Prefill on the prefill worker, which returns a
 transfer and repeats token 0. Colocated: Run. Every call carries the request's remaining deadline,
 its trace context and the internal token. A Reserve or Run still in flight when the request is
 cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
+
+Every call is bounded: Reserve, Run and Release by the control timeout (the heartbeat TTL: a worker
+that cannot answer within it would be declared lost anyway), Prefill by the request's deadline,
+Abort by ABORT_TIMEOUT_S. A call whose channel is closed under it (its worker was lost) fails as
+UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status.
 """
 
 from __future__ import annotations
@@ -17,17 +22,18 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import Overloaded, TandemError, Unavailable
+from services.common.errors import Overloaded, TandemError, Unavailable, grpc_status
 from services.common.store import WorkerRecord, WorkerRole
+from services.scheduler import failures
 from services.scheduler.inflight import RequestState
 from services.scheduler.planner import RoutePlan
+from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Score
-from services.scheduler.worker_clients import WorkerClients, worker_error
+from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT_S = 5.0  # Reserve, Release, Run: quick calls
 ABORT_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 600.0  # a Prefill without a deadline: queue, compute and KV transfer
 # A worker that refused a Reserve holds nothing; after any other failure it may hold a reservation.
@@ -38,34 +44,48 @@ Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
 
 
 class Launcher:
-    """`spawn` runs a background task the dispatcher keeps track of."""
+    """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
+    quick calls (Reserve, Run, Release); a decode worker that refuses a Reserve is marked full in
+    `registry` until it reports again."""
 
-    def __init__(self, clients: WorkerClients, spawn: Spawn) -> None:
+    def __init__(self, clients: WorkerClients, spawn: Spawn, registry: WorkerRegistry,
+                 control_timeout: float) -> None:
         self.clients = clients
         self._spawn = spawn
+        self._registry = registry
+        self._control_timeout = control_timeout
 
-    async def reserve(self, state: RequestState, plan: RoutePlan) -> tuple[Score, list[int]]:
-        """Reserve on the decode candidates in rank order; RESOURCE_EXHAUSTED when none has room."""
+    async def reserve(self, state: RequestState, plan: RoutePlan) -> tuple[Score, list[int]] | None:
+        """Reserve on the decode candidates in rank order, going on past those that refuse for lack
+        of room or cannot be reached. None when none had room (and none failed otherwise): the
+        request waits for room. Unavailable when no candidate could be reached."""
         request = worker_pb2.ReserveRequest(request_id=state.request_id, num_tokens=state.prompt_tokens + 1)
-        error: TandemError = Unavailable("no decode worker")
+        unreachable: Unavailable | None = None
         for score in plan.decode:
+            if state.relay.closed:
+                return None
             worker = plan.workers[score.worker_id]
             state.holders[score.worker_id] = worker
             try:
-                response = await self._landing(state, self.clients.decode(worker.info.address).Reserve(
-                    request, timeout=state.deadline.timeout(CONTROL_TIMEOUT_S), metadata=self._metadata(state)))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in _REFUSED:
-                    del state.holders[score.worker_id]
-                error = worker_error(exc, worker, "Reserve")
-                if isinstance(error, (Overloaded, Unavailable)) and not state.relay.closed:
-                    continue
-                raise error from None
+                response = await self._landing(state, worker, "Reserve",
+                                               self.clients.decode(worker.info.address).Reserve, request)
+            except TandemError as error:
+                if grpc_status(error) in _REFUSED:
+                    state.holders.pop(score.worker_id, None)
+                if isinstance(error, Overloaded):
+                    self._registry.mark_full(score.worker_id)
+                elif isinstance(error, Unavailable):
+                    unreachable = error
+                else:
+                    raise
+                continue
             state.decode = worker
             state.reserved_blocks = len(response.block_ids)
             state.reserved_at = time.monotonic()
             return score, list(response.block_ids)
-        raise error
+        if unreachable is not None:
+            raise unreachable
+        return None
 
     def prefill(self, state: RequestState, block_ids: list[int]) -> None:
         """Start the Prefill call in the background: token 0 arrives on the worker's token stream."""
@@ -80,11 +100,7 @@ class Launcher:
         request = worker_pb2.RunRequest(request_id=state.request_id, token_ids=state.request.token_ids,
                                         sampling=_sampling(state), seed=state.seed,
                                         cache_salt=state.request.cache_salt)
-        try:
-            await self._landing(state, self.clients.colocated(worker.info.address).Run(
-                request, timeout=state.deadline.timeout(CONTROL_TIMEOUT_S), metadata=self._metadata(state)))
-        except grpc.aio.AioRpcError as exc:
-            raise worker_error(exc, worker, "Run") from None
+        await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
 
     def release_unused(self, state: RequestState) -> None:
         """A request that ended at its first token never used its decode reservation: free it."""
@@ -93,7 +109,7 @@ class Launcher:
             return
         request = worker_pb2.ReleaseRequest(request_id=state.request_id)
         call = self.clients.decode(decode.info.address).Release(
-            request, timeout=CONTROL_TIMEOUT_S, metadata=self._metadata(state))
+            request, timeout=self._control_timeout, metadata=self._metadata(state))
         self._spawn(_quietly(call, f"Release of {state.request_id} on {decode.info.worker_id}"))
 
     def abort(self, state: RequestState, reason: str) -> None:
@@ -104,7 +120,8 @@ class Launcher:
             self._spawn(self._abort_holders(state, reason))
 
     async def _prefill(self, state: RequestState, block_ids: list[int]) -> None:
-        """The Prefill call (it returns after the KV transfer); its response backs up token 0."""
+        """The Prefill call (it returns after the KV transfer); its response backs up token 0.
+        Any failure ends the request's stream with a status."""
         prefill, decode = state.prefill, state.decode
         assert prefill is not None and decode is not None
         request = worker_pb2.PrefillRequest(
@@ -112,13 +129,23 @@ class Launcher:
             seed=state.seed, cache_salt=state.request.cache_salt, decode_address=decode.info.address,
             decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids)
         try:
+            timeout = state.deadline.timeout(PREFILL_TIMEOUT_S)
             response = await self.clients.prefill(prefill.info.address).Prefill(
-                request, timeout=state.deadline.timeout(PREFILL_TIMEOUT_S), metadata=self._metadata(state))
+                request, timeout=timeout, metadata=self._metadata(state))
         except grpc.aio.AioRpcError as exc:
-            state.relay.fail(worker_error(exc, prefill, "Prefill"))
+            state.relay.fail(failures.from_rpc(state, prefill, "Prefill", exc,
+                                               deadline_bound=timeout < PREFILL_TIMEOUT_S))
             return
         except TandemError as exc:
             state.relay.fail(exc)
+            return
+        except asyncio.CancelledError:
+            if failures.caller_cancelled():
+                raise
+            state.relay.fail(failures.cut(state, prefill, "Prefill"))
+            return
+        except Exception as exc:
+            state.relay.fail(failures.internal(state, exc))
             return
         state.holders.pop(prefill.info.worker_id, None)
         state.prefill_pending = False
@@ -145,13 +172,23 @@ class Launcher:
     def _metadata(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return self.clients.metadata(state.span)
 
-    @staticmethod
-    async def _landing(state: RequestState, call: Any) -> Any:
-        """Await a call that creates state on a worker (Reserve, Run) so that, if the request is
-        cancelled meanwhile, the call still completes and the Abort can wait for it."""
-        state.landing = asyncio.ensure_future(call)
+    async def _landing(self, state: RequestState, worker: WorkerRecord, call: str,
+                       method: Callable[..., Any], request: Any) -> Any:
+        """Make a call that creates state on a worker (Reserve, Run) so that, if the request is
+        cancelled meanwhile, the call still completes and the Abort can wait for it. Its failure
+        raises the request's TandemError."""
+        timeout = state.deadline.timeout(self._control_timeout)
+        state.landing = asyncio.ensure_future(method(request, timeout=timeout, metadata=self._metadata(state)))
         state.landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
-        return await asyncio.shield(state.landing)
+        try:
+            return await asyncio.shield(state.landing)
+        except grpc.aio.AioRpcError as exc:
+            raise failures.from_rpc(state, worker, call, exc,
+                                    deadline_bound=timeout < self._control_timeout) from None
+        except asyncio.CancelledError:
+            if failures.caller_cancelled():
+                raise
+            raise failures.cut(state, worker, call) from None
 
 
 def _sampling(state: RequestState) -> common_pb2.SamplingParams:
@@ -187,3 +224,7 @@ async def _quietly(call: Any, what: str) -> None:
         await call
     except grpc.aio.AioRpcError as exc:
         log.info("%s failed: %s: %s", what, exc.code().name, exc.details())
+    except asyncio.CancelledError:
+        if failures.caller_cancelled():
+            raise
+        log.info("%s was cut: the worker was lost", what)

@@ -1,19 +1,24 @@
 """Routing one request: the live workers serving its model, their prefix matches for its block-hash
 chain (tenant salt included), their load with this scheduler's in-flight requests on top, ranked
-by the router's costs. Colocated workers, when any are live, take every request."""
+by the router's costs. Colocated workers, when any are live, take every request.
+
+Before routing, room() tells admission whether a decode worker has room for the request's KV now
+(its prompt and first token), only later, or never (more blocks than the largest worker holds).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from services.common.block_hash import hash_chain
-from services.common.errors import Unavailable
+from services.common.errors import InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.router import Candidate, Score, rank_decode, rank_prefill
+from services.scheduler.router import Candidate, Score, blocks_for, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
 
 
@@ -45,6 +50,47 @@ class RoutePlan:
         return json.dumps(scores)
 
 
+class Room(Enum):
+    """Whether a request's KV fits on a decode worker, by the registry's last known loads."""
+
+    NOW = "now"  # some worker has the blocks free (or there is no decode worker to wait for)
+    LATER = "later"  # every decode worker is short of free blocks now
+    NEVER = "never"  # more blocks than the largest worker holds in all
+
+
+def room(registry: WorkerRegistry, inflight: InflightTable, request: scheduler_pb2.SubmitRequest) -> Room:
+    """Colocated workers hold no reservation: they queue what they take, so only NOW or NEVER."""
+    generators = _generators(registry.snapshot(), request.model)
+    if not generators:
+        return Room.NOW  # routing says there is no worker
+    num_tokens = len(request.token_ids) + 1
+    if all(blocks_for(num_tokens, r.info.block_size) > r.info.num_blocks for r in generators):
+        return Room.NEVER
+    if generators[0].info.role == WorkerRole.COLOCATED:
+        return Room.NOW
+    if any(_candidate(registry, inflight, r).free_blocks >= blocks_for(num_tokens, r.info.block_size)
+           for r in generators):
+        return Room.NOW
+    return Room.LATER
+
+
+def never_fits(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest) -> InvalidRequest:
+    """The error of a request whose room() is NEVER."""
+    generators = _generators(registry.snapshot(), request.model)
+    largest = max(generators, key=lambda r: r.info.num_blocks * r.info.block_size)
+    prompt, block_size = len(request.token_ids), largest.info.block_size
+    return InvalidRequest("token_ids", (
+        f"request {request.request_id}: a prompt of {prompt} tokens needs {blocks_for(prompt + 1, block_size)} "
+        f"KV blocks of {block_size} tokens (with the first generated token); the largest {largest.info.role} "
+        f"worker holds {largest.info.num_blocks}; shorten the prompt"))
+
+
+def _generators(records: Iterable[WorkerRecord], model: str) -> list[WorkerRecord]:
+    """The workers that would hold the request's KV: colocated ones when any serve the model, else decode ones."""
+    records = [r for r in records if not model or r.info.model == model]
+    return _with_role(records, WorkerRole.COLOCATED) or _with_role(records, WorkerRole.DECODE)
+
+
 async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
                      request: scheduler_pb2.SubmitRequest) -> RoutePlan:
     """Raises Unavailable when no live worker can serve the request's model."""
@@ -54,7 +100,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     prefill = colocated or _with_role(records, WorkerRole.PREFILL)
     decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
     if not prefill or not (colocated or decode):
-        raise Unavailable(_no_worker_message(request.model, live, prefill))
+        raise Unavailable(f"request {request.request_id}: {_no_worker_message(request.model, live, prefill)}")
     matched = await _prefix_matches(registry, request, prefill)
     degraded = registry.degraded
     prompt_tokens = len(request.token_ids)
@@ -92,7 +138,7 @@ def _candidate(registry: WorkerRegistry, inflight: InflightTable, record: Worker
     return Candidate(
         worker_id=worker_id,
         block_size=record.info.block_size,
-        free_blocks=record.load.free_blocks - inflight.reserved_since(worker_id, reported_at),
+        free_blocks=registry.free_blocks(record) - inflight.reserved_since(worker_id, reported_at),
         running=inflight.running(worker_id),
         queued_prefill_tokens=inflight.queued_prefill_tokens(worker_id),
         cached_blocks=cached_blocks,

@@ -8,6 +8,9 @@ store alone for STORE_RETRY_S (a hung Redis would cost its timeout on every requ
 at the first store call that succeeds after. A store that comes back empty (Redis restarted) is
 refilled from the mirror at each worker's next heartbeat, so no worker is told to register again,
 which would make it drop its running requests. Block reports made while the store is down are lost.
+
+A decode worker that refused a Reserve for lack of blocks counts as full (no free blocks) until it
+reports its load again: its last report was too hopeful, and routing waits for a fresh one.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ class WorkerRegistry:
         self._seen: dict[str, _Seen] = {}
         self._dropped: set[str] = set()
         self._live: dict[str, WorkerRecord] = {}
+        self._full: set[str] = set()
         self.degraded = False
         self._retry_at = 0.0
 
     async def register(self, info: WorkerInfo, load: WorkerLoad) -> None:
         """Add or replace a worker; it is live at once (also while the store is down)."""
         self._dropped.discard(info.worker_id)
+        self._full.discard(info.worker_id)
         record = WorkerRecord(info, load)
         self._seen[info.worker_id] = _Seen(record, self._clock())
         self._live[info.worker_id] = record
@@ -67,12 +72,16 @@ class WorkerRegistry:
         if known and seen is not None:
             seen.record = WorkerRecord(seen.record.info, load)
             seen.at = self._clock()
+            self._full.discard(worker_id)
+            if worker_id in self._live:
+                self._live[worker_id] = seen.record
         return bool(known)
 
     def forget(self, worker_id: str) -> None:
         """Stop routing to a worker (deregistered, lost) until it registers again. Call unregister()
         next to take it out of the store as well."""
         self._dropped.add(worker_id)
+        self._full.discard(worker_id)
         self._seen.pop(worker_id, None)
         self._live.pop(worker_id, None)
 
@@ -115,6 +124,14 @@ class WorkerRegistry:
             return {}
         ok, matched = await self._store_call(lambda: self.store.match_prefix(hashes))
         return matched if ok else {}
+
+    def mark_full(self, worker_id: str) -> None:
+        """The worker refused a Reserve for lack of blocks: count it full until it reports again."""
+        self._full.add(worker_id)
+
+    def free_blocks(self, record: WorkerRecord) -> int:
+        """The worker's free KV blocks at its last report (0 while it counts as full)."""
+        return 0 if record.info.worker_id in self._full else record.load.free_blocks
 
     def last_seen(self, worker_id: str) -> float | None:
         """clock() of the worker's last registration or heartbeat received here, None if none."""

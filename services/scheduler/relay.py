@@ -4,7 +4,8 @@ The prefill worker reports output token 0 and the decode worker the rest, on dif
 connections, so events may arrive out of order or twice. The relay keeps a cursor `next_offset`
 (tokens delivered so far): an event at the cursor is delivered, one ahead of it is held until the
 gap fills, and tokens behind it are duplicates and dropped. The stream ends with the event that
-carries a finish reason, or with an error.
+carries a finish reason, or with an error (fail(): a worker's error event becomes one in the
+dispatcher, which knows what the client may be told).
 """
 
 from __future__ import annotations
@@ -12,21 +13,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-import grpc
-
-from services.common.errors import DeadlineExceeded, TandemError, error_from_status
+from services.common.errors import DeadlineExceeded, TandemError
 from tandem.v1 import common_pb2, scheduler_pb2
 
 TokenEvent = scheduler_pb2.TokenEvent
-_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
-# A worker that aborts or fails a request ends it at once, whatever the order of earlier events.
-_ENDS_AT_ONCE = (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR)
-
-
-def error_from_event(event: TokenEvent) -> TandemError:
-    """The TandemError of a FINISH_REASON_ERROR event (its RequestError's code and message)."""
-    status = _STATUS_BY_NUMBER.get(event.error.code, grpc.StatusCode.INTERNAL)
-    return error_from_status(status, event.error.message or f"worker {event.worker_id} failed the request")
 
 
 class Relay:
@@ -43,8 +33,8 @@ class Relay:
         """Take one worker event; delivers it and any held events it unblocks, in order."""
         if self.closed:
             return
-        if event.finish_reason in _ENDS_AT_ONCE:
-            self._end_at_once(event)
+        if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            self._end_at_once(event)  # a worker that aborts a request ends it, whatever came before
             return
         if event.output_offset > self.next_offset:
             self._held.setdefault(event.output_offset, event)
@@ -73,7 +63,7 @@ class Relay:
                 item = await asyncio.wait_for(self._ready.get(), remaining())
             except TimeoutError:
                 raise DeadlineExceeded(
-                    f"request {self.request_id} passed its deadline after {self.next_offset} tokens") from None
+                    f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
             if isinstance(item, TandemError):
                 raise item
             yield item
@@ -98,9 +88,6 @@ class Relay:
             self._ready.put_nowait(event)
 
     def _end_at_once(self, event: TokenEvent) -> None:
-        if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            self.fail(error_from_event(event))
-            return
         final = TokenEvent(request_id=self.request_id, output_offset=self.next_offset,
                            finish_reason=event.finish_reason, worker_id=event.worker_id)
         final.usage.CopyFrom(event.usage)

@@ -8,9 +8,7 @@ import asyncio
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import DeadlineExceeded, TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, MAX_MESSAGE_BYTES
-from services.common.store import WorkerRecord
 from services.common.tracing import inject_metadata
 from tandem.v1 import worker_pb2_grpc
 
@@ -57,14 +55,3 @@ class WorkerClients:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
         return channel
 
-
-def worker_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, call: str) -> TandemError:
-    """The domain error of a failed call to a worker: its status kept (with a retry hint), the
-    worker named when it could not be reached."""
-    code, details = error.code(), error.details() or ""
-    where = f"{worker.info.role} worker {worker.info.worker_id} at {worker.info.address}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return Unavailable(f"{call} on {where} failed ({code.name}: {details}); retry the request")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"the request's deadline passed during {call} on {where}")
-    return error_from_rpc(error)

@@ -1,5 +1,5 @@
 """The per-request relay: events from two workers, out of order and duplicated, come out in
-output order exactly once; worker errors and aborts end the stream at once; deadlines hold."""
+output order exactly once; failures and aborts end the stream at once; deadlines hold."""
 
 from __future__ import annotations
 
@@ -67,17 +67,15 @@ async def test_a_stale_final_event_behind_the_cursor_is_ignored() -> None:
     assert await drain(relay) == [(0, [10, 20, 30], 0), (3, [40], STOP)]
 
 
-async def test_a_worker_error_ends_the_stream_at_once_with_its_status() -> None:
+async def test_a_failure_ends_the_stream_at_once_with_its_status() -> None:
     relay = Relay("r")
     relay.push(event(0, 10))
     relay.push(event(2, 30))  # held: token 1 is missing
-    failed = scheduler_pb2.TokenEvent(request_id="r", output_offset=1, finish_reason=common_pb2.FINISH_REASON_ERROR,
-                                      error=common_pb2.RequestError(code=9, message="block size 16 != 32"))
-    relay.push(failed)
+    relay.fail(FailedPrecondition("request r: a worker failed it with FAILED_PRECONDITION"))
     relay.push(event(1, 20))
     events = relay.events(lambda: 1.0)
     assert list((await anext(events)).token_ids) == [10]
-    with pytest.raises(FailedPrecondition, match="block size 16 != 32") as error:
+    with pytest.raises(FailedPrecondition, match="^request r: a worker failed it") as error:
         await anext(events)
     assert grpc_status(error.value) == grpc.StatusCode.FAILED_PRECONDITION
 
@@ -107,5 +105,5 @@ async def test_fail_and_deadline_raise_their_errors() -> None:
     relay.push(event(0, 10))
     events = relay.events(lambda: 0.05)
     assert list((await anext(events)).token_ids) == [10]
-    with pytest.raises(DeadlineExceeded, match="slow passed its deadline after 1 tokens"):
+    with pytest.raises(DeadlineExceeded, match=r"^request slow: its deadline passed after 1 token\(s\)$"):
         await anext(events)

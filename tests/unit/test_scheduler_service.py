@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.errors import Overloaded
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.health_cli import wait_until_serving
 from services.common.store import EmbeddedStore, Store
+from services.common.tracing import SpanName, setup_tracing
+from services.scheduler import dispatcher as dispatcher_module
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
@@ -63,6 +66,9 @@ class FakeWorker:
     worker_id: str
     mesh: Mesh
     free_blocks: int = 100
+    num_blocks: int = 1000
+    refuse: bool = False  # decode: refuse every Reserve for lack of blocks, whatever it reports
+    hold_reserve: bool = False  # decode: never answer a Reserve
     hold: bool = False  # decode: report token 1, then nothing
     hold_prefill: bool = False  # prefill: never return, never report
     late_first_token: bool = False  # prefill: report token 0 after the decode worker's tokens
@@ -83,7 +89,7 @@ class FakeWorker:
         self.report()  # the stream opens with the worker's id
         self.stream = self.stub.ReportTokens(self._batches(), metadata=CLIENT_METADATA)
         info = scheduler_pb2.WorkerInfo(worker_id=self.worker_id, role=ROLES[self.worker_id[0]],
-                                        address=self.address, model=MODEL, num_blocks=1000, block_size=16,
+                                        address=self.address, model=MODEL, num_blocks=self.num_blocks, block_size=16,
                                         load=scheduler_pb2.WorkerLoad(free_blocks=self.free_blocks))
         await self.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
         self.heartbeats = asyncio.create_task(self._heartbeats())
@@ -159,8 +165,10 @@ class FakeWorker:
 
     async def Reserve(self, request: worker_pb2.ReserveRequest, context) -> worker_pb2.ReserveResponse:
         self._record("Reserve", request, context)
+        if self.hold_reserve:
+            await asyncio.Event().wait()
         blocks = -(-request.num_tokens // 16)
-        if blocks > self.free_blocks:
+        if self.refuse or blocks > self.free_blocks:
             raise Overloaded(f"{self.worker_id}: {self.free_blocks} free blocks", retry_after=2.0)
         return worker_pb2.ReserveResponse(block_ids=list(range(10, 10 + blocks)), free_blocks=self.free_blocks,
                                           block_size=16)
@@ -231,10 +239,14 @@ class Mesh:
 
 @asynccontextmanager
 async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
-                    store: Store | None = None, **options) -> AsyncIterator[Mesh]:
-    """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered."""
+                    store: Store | None = None, spans: InMemorySpanExporter | None = None,
+                    **options) -> AsyncIterator[Mesh]:
+    """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
+    `spans` when given."""
     registry = WorkerRegistry(store or EmbeddedStore(), ttl)
-    dispatcher = Dispatcher(registry, WorkerClients(TOKEN), max_queue=max_queue, max_running=max_running)
+    tracer = setup_tracing("scheduler", exporter=spans, install_global=False).get_tracer("test") if spans else None
+    dispatcher = Dispatcher(registry, WorkerClients(TOKEN), max_queue=max_queue, max_running=max_running,
+                            tracer=tracer)
     server = create_server("127.0.0.1", 0, internal_token=TOKEN)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id="test"))
@@ -349,7 +361,7 @@ async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
             [e async for e in mesh.submit("refused")]
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "waiting queue is full" in error.value.details()
-        assert dict(error.value.trailing_metadata())["retry-after"] == "2"  # 1 s each, 2 ahead
+        assert dict(error.value.trailing_metadata())["retry-after"] == "60"  # nothing has drained yet
 
         running.cancel()  # its slot goes to the queued request
         assert tokens_of([await queued.read()]) == [token(0)]
@@ -358,14 +370,55 @@ async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
         assert (stats.submitted, stats.rejected, stats.aborted) == (3, 1, 2)
 
 
-async def test_no_decode_worker_with_room_is_resource_exhausted() -> None:
-    async with scheduler("p-0", "d-0", "d-1", **{"d-0": dict(free_blocks=1), "d-1": dict(free_blocks=1)}) as mesh:
+async def test_a_request_without_decode_room_waits_in_the_queue_until_a_worker_reports_room() -> None:
+    options = {"d-0": dict(free_blocks=1), "d-1": dict(free_blocks=2)}
+    async with scheduler("p-0", "d-0", "d-1", ttl=30.0, **options) as mesh:
+        call = mesh.submit("big", prompt_tokens=40)  # 41 tokens: 3 blocks
+        await until(lambda: mesh.dispatcher.admission.waiting == 1)
+        assert (await mesh.stats()).waiting == 1
+        assert mesh.workers["d-0"].calls == mesh.workers["d-1"].calls == []  # no Reserve while no room
+
+        mesh.workers["d-1"].free_blocks = 3
+        assert await mesh.workers["d-1"].heartbeat()
+        events = await rest(call)
+        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+        assert [r.request_id for r in mesh.workers["d-1"].called("Reserve")] == ["big"]
+        assert mesh.workers["d-0"].calls == []
+        stats = await mesh.idle()
+        assert (stats.completed, stats.rejected) == (1, 0)
+
+
+async def test_reserves_refused_on_a_stale_report_wait_for_the_next_report_in_order() -> None:
+    async with scheduler("p-0", "d-0", ttl=30.0, max_queue=2, **{"d-0": dict(refuse=True)}) as mesh:
+        decode = mesh.workers["d-0"]
+        first = mesh.submit("first")
+        await until(lambda: decode.called("Reserve") and mesh.dispatcher.admission.waiting == 1)
+        second = mesh.submit("second")  # behind the first, which waits at the head
+        await until(lambda: mesh.dispatcher.admission.waiting == 2)
+        await mesh.dispatcher.check_workers()  # a watcher tick changes nothing: d-0 counts as full
+        assert [r.request_id for r in decode.called("Reserve")] == ["first"]
+
+        decode.refuse = False
+        assert await decode.heartbeat()
+        assert (await rest(first))[-1].finish_reason == LENGTH
+        assert (await rest(second))[-1].finish_reason == LENGTH
+        assert [r.request_id for r in decode.called("Reserve")] == ["first", "first", "second"]
+        stats = await mesh.idle()
+        assert (stats.completed, stats.rejected, stats.failed) == (2, 0, 0)
+
+
+async def test_a_prompt_no_decode_worker_can_ever_hold_is_invalid_argument() -> None:
+    options = {"d-0": dict(num_blocks=8, free_blocks=8), "d-1": dict(num_blocks=12, free_blocks=12)}
+    async with scheduler("p-0", "d-0", "d-1", **options) as mesh:
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            [e async for e in mesh.submit("big", prompt_tokens=40)]
-        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(error.value.trailing_metadata())["retry-after"] == "2"
-        assert len(mesh.workers["d-0"].called("Reserve")) == len(mesh.workers["d-1"].called("Reserve")) == 1
-        assert mesh.workers["p-0"].calls == []
+            [e async for e in mesh.submit("huge", prompt_tokens=192)]  # 193 tokens: 13 blocks
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == (
+            "token_ids: request huge: a prompt of 192 tokens needs 13 KV blocks of 16 tokens (with the first "
+            "generated token); the largest decode worker holds 12; shorten the prompt")
+        assert mesh.workers["d-0"].calls == mesh.workers["d-1"].calls == mesh.workers["p-0"].calls == []
+        events = [e async for e in mesh.submit("fits", prompt_tokens=191)]  # 192 tokens: 12 blocks
+        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
 
 
 # -- aborts and deadlines ------------------------------------------------------------------------------
@@ -403,8 +456,9 @@ async def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_workers()
         assert mesh.workers["d-0"].called("Abort")[0].reason == "deadline passed"
 
 
-async def test_a_worker_error_event_becomes_the_submit_status() -> None:
-    async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
+async def test_a_worker_error_event_becomes_the_submit_status_with_its_detail_on_the_span() -> None:
+    spans = InMemorySpanExporter()
+    async with scheduler("p-0", "d-0", spans=spans, **{"d-0": dict(hold=True)}) as mesh:
         call = mesh.submit("r1")
         await call.read()
         mesh.workers["d-0"].report(scheduler_pb2.TokenEvent(
@@ -412,7 +466,25 @@ async def test_a_worker_error_event_becomes_the_submit_status() -> None:
             error=common_pb2.RequestError(code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="bad KV")))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await rest(call)
-        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, "bad KV")
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.value.details() == "request r1: a worker failed it with FAILED_PRECONDITION; its trace has the detail"
+        assert (await mesh.idle()).failed == 1
+        (submit,) = [s for s in spans.get_finished_spans() if s.name == SpanName.SCHEDULER_SUBMIT]
+        assert [dict(e.attributes) for e in submit.events if e.name == "exception"] == [
+            {"exception.type": "FAILED_PRECONDITION",
+             "exception.message": "worker d-0 failed the request: FAILED_PRECONDITION: bad KV"}]
+
+
+async def test_an_unexpected_exception_is_internal_with_a_stable_message(monkeypatch) -> None:
+    async def broken(*args):
+        raise RuntimeError("store answered garbage at 10.0.0.7:6379")
+
+    monkeypatch.setattr(dispatcher_module, "plan_route", broken)
+    async with scheduler("p-0", "d-0") as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("r1")]
+        assert error.value.code() == grpc.StatusCode.INTERNAL
+        assert error.value.details() == "request r1: the scheduler failed it (internal error); its log has the detail"
         assert (await mesh.idle()).failed == 1
 
 
@@ -430,7 +502,7 @@ async def test_a_broken_token_stream_fails_the_workers_requests_at_once_and_drop
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await rest(call)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "worker d-0 was lost (its token stream closed)" in error.value.details()
+        assert error.value.details() == "request doomed: a worker serving it was lost after 2 token(s); retry the request"
         assert time.monotonic() - killed_at < 2.0
 
         stats = await mesh.idle()
@@ -448,9 +520,45 @@ async def test_a_lapsed_heartbeat_fails_the_workers_requests_and_drops_it() -> N
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await rest(call)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "worker d-0 was lost (its heartbeat lapsed)" in error.value.details()
+        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
         stats = await mesh.idle()
         assert [w.info.worker_id for w in stats.workers] == ["p-0"]
+
+
+async def test_a_reserve_cut_by_its_workers_loss_moves_on_to_the_next_decode_worker() -> None:
+    options = {"d-0": dict(hold_reserve=True, free_blocks=100), "d-1": dict(free_blocks=50)}
+    async with scheduler("p-0", "d-0", "d-1", ttl=30.0, **options) as mesh:
+        call = mesh.submit("r1")
+        await until(lambda: mesh.workers["d-0"].called("Reserve"))
+        mesh.dispatcher.worker_lost("d-0", "its heartbeat lapsed")  # closes its channel: the Reserve is cut
+        events = await rest(call)
+        assert tokens_of(events) == [token(i) for i in range(4)]
+        assert events[0].route.decode_worker_id == "d-1"
+        stats = await mesh.idle()
+        assert (stats.completed, stats.failed) == (1, 0)
+
+
+async def test_a_reserve_cut_with_no_other_decode_worker_is_unavailable() -> None:
+    async with scheduler("p-0", "d-0", ttl=30.0, **{"d-0": dict(hold_reserve=True)}) as mesh:
+        call = mesh.submit("r1")
+        await until(lambda: mesh.workers["d-0"].called("Reserve"))
+        mesh.dispatcher.worker_lost("d-0", "its heartbeat lapsed")
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(call)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "request r1: a decode worker it needed stopped answering; retry the request"
+        assert mesh.workers["p-0"].calls == []
+        assert (await mesh.idle()).failed == 1
+
+
+async def test_a_reserve_a_worker_never_answers_ends_within_the_heartbeat_ttl() -> None:
+    async with scheduler("p-0", "d-0", ttl=1.0, **{"d-0": dict(hold_reserve=True)}) as mesh:
+        mesh.workers["d-0"].heartbeats.cancel()  # frozen: no answer, no heartbeat
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("r1")]
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "request r1: a decode worker it needed stopped answering; retry the request"
+        assert (await mesh.idle()).failed == 1
 
 
 # -- the store -----------------------------------------------------------------------------------------
