@@ -4,7 +4,6 @@ and UTF-8-safe incremental detokenization for streaming. Never imports torch."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,18 @@ REPLACEMENT_CHAR = "\ufffd"
 class TextCodec:
     """One model's tokenizer (tokenizer.json + tokenizer_config.json) and its end-of-sequence ids.
 
-    Calls into the Rust tokenizer are serialised: HF fast tokenizers may reconfigure padding and
-    truncation on every call and fail with "Already borrowed" when threads share one.
+    Safe to share between threads without a lock: encoding goes straight to the Rust tokenizer
+    (`encode_batch`, which releases the GIL while it works), configured once here as HF's own
+    call configures it (no truncation, no padding), so no call ever reconfigures it. Reconfiguring
+    on every call is what makes HF's call fail with "Already borrowed" when threads share it.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, eos_token_ids: tuple[int, ...]) -> None:
         self._tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._backend = tokenizer.backend_tokenizer
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self._backend.encode_special_tokens = tokenizer.split_special_tokens
         self.eos_token_ids = eos_token_ids
 
     @classmethod
@@ -46,25 +50,20 @@ class TextCodec:
         """Whether apply_chat_template can work (tokenizer_config.json has a chat_template)."""
         return self._tokenizer.chat_template is not None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Exactly `tokenizer(text)["input_ids"]` of HF transformers (special tokens as configured)."""
-        with self._lock:
-            return list(self._tokenizer(text)["input_ids"])
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The model's chat template over `messages`, ending with the assistant's turn opened."""
+        """The model's chat template over `messages`, ending with the assistant's turn opened: the
+        rendered text encoded without added special tokens, as HF's `tokenize=True` does."""
         if self._tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
-        with self._lock:
-            return list(
-                self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        with self._lock:
-            return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -1,45 +1,47 @@
-"""The gateway's request pipeline, shared by the gRPC door and the HTTP bridge: validate, tokenize,
-submit to the scheduler with the deadline and trace context, relay the token events as chunks.
+"""The gateway's request pipeline, shared by the gRPC door and the HTTP bridge: validate (the
+request limits), tokenize (off the event loop), submit to the scheduler with the deadline and
+trace context, relay the token events as chunks.
 
 A `Generation` is one request in flight. Leaving its iteration early, or `close()`, cancels the
-Submit call, which aborts the request on whichever worker holds it.
+Submit call, which aborts the request on whichever worker holds it. Its failures reach the client
+as client_errors words them; the upstream's own message goes to the log and the span.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import secrets
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from jinja2 import TemplateError
 from opentelemetry import trace
 
-from services.common.errors import InvalidRequest, TandemError, Unavailable, error_from_rpc, error_from_status
+from services.common.errors import TandemError, Unavailable, error_from_rpc, error_from_status
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.metrics import ServiceMetrics
 from services.common.tokenizer import TextCodec
 from services.common.tracing import Attr, SpanName, TokenTimings, inject_metadata
 from services.common.wire import sampling_to_proto
+from services.gateway.client_errors import for_client
+from services.gateway.limits import RequestLimits
 from services.gateway.output import Chunk, OutputAssembler, OutputOptions
-from services.gateway.request import GenerationRequest, ServedModel
+from services.gateway.prompt_encoder import DEFAULT_THREADS, PromptEncoder
+from services.gateway.request import GenerationRequest, ServedModel, new_request_id
 from services.gateway.validation import check_prompt_length, validate_request
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
-
-
-def new_request_id() -> str:
-    return f"req-{secrets.token_hex(12)}"
 
 
 class Generation:
     """One request in flight: its ids at once, its chunks by iterating (once).
 
     The last chunk has a finish reason. Failures raise TandemError with the upstream status kept
-    (RESOURCE_EXHAUSTED with its retry hint, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+    (RESOURCE_EXHAUSTED and UNAVAILABLE with their retry hint, DEADLINE_EXCEEDED, ...) and the
+    client's message of client_errors.
     """
 
     def __init__(
@@ -123,8 +125,11 @@ class Generation:
         metrics.e2e_request_latency.observe((time.time_ns() - self._timings.start_ns) / 1e9)
 
     def _failed(self, error: TandemError) -> TandemError:
-        self._span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error.message}")
-        return error
+        """The client's error for an upstream failure; the upstream's words go to the log and span."""
+        detail = f"{type(error).__name__}: {error.message}"
+        log.warning("request %s failed: %s", self.request_id, detail)
+        self._span.set_status(trace.StatusCode.ERROR, detail)
+        return for_client(error, self.request_id)
 
 
 def _checked(event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
@@ -139,7 +144,7 @@ class GenerationPipeline:
     """Starts generations for one served model against one scheduler.
 
     `start` does all validation and tokenization before anything goes upstream; the Submit call
-    begins when the returned Generation is first iterated.
+    begins when the returned Generation is first iterated. `close()` when done with it.
     """
 
     def __init__(
@@ -150,18 +155,26 @@ class GenerationPipeline:
         internal_token: str | None = None,
         tracer: trace.Tracer | None = None,
         metrics: ServiceMetrics | None = None,
+        limits: RequestLimits = RequestLimits(),
+        tokenizer_threads: int = DEFAULT_THREADS,
     ) -> None:
         self.codec = codec
         self.model = model
+        self.limits = limits
+        self._encoder = PromptEncoder(codec, tokenizer_threads)
         self._scheduler = scheduler
         self._internal_token = internal_token
         self._tracer = tracer or trace.get_tracer(__name__)
         self._metrics = metrics
 
+    def close(self) -> None:
+        """Stop the tokenizer threads (requests still being tokenized finish first)."""
+        self._encoder.close()
+
     async def start(self, request: GenerationRequest, timeout: float) -> Generation:
         """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
-        field = validate_request(request, self.model)
-        prompt_token_ids = await asyncio.to_thread(self._tokenize, request, field)
+        field = validate_request(request, self.model, self.limits)
+        prompt_token_ids = await self._encoder.encode(request, field)
         if request.max_tokens_to_context:
             room = max(1, self.model.max_model_len - len(prompt_token_ids))
             request.sampling = dataclasses.replace(request.sampling, max_tokens=room)
@@ -191,16 +204,6 @@ class GenerationPipeline:
             timings,
             self._metrics,
         )
-
-    def _tokenize(self, request: GenerationRequest, field: str) -> list[int]:
-        if field == "prompt":
-            return self.codec.encode(request.prompt or "")
-        if field == "messages":
-            try:
-                return self.codec.apply_chat_template(request.messages or [])
-            except TemplateError as exc:
-                raise InvalidRequest("messages", f"the model's chat template rejects them: {exc}") from None
-        return list(request.token_ids or [])
 
     def _metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
         pairs = inject_metadata(trace.set_span_in_context(span))

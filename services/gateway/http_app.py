@@ -1,9 +1,10 @@
 """The gateway's OpenAI-compatible REST/SSE bridge: FastAPI routes over the same GenerationPipeline
 as the gRPC door, served by uvicorn in the gateway's process.
 
-A generation request goes: API key, body size, JSON, HTTP limits (all before any work), then the
-pipeline. The response starts only once the first token arrived, so every failure before it is
-a plain HTTP error; a failure after it is one error event in the stream, then `[DONE]`.
+A generation request goes: API key, body size, JSON, n (all before any work), then the pipeline,
+which checks every other field and limit exactly as for the gRPC door. The response starts only
+once the first token arrived, so every failure before it is a plain HTTP error; a failure after it
+is one error event in the stream, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -27,25 +28,28 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.config import add_option, from_args, parse_size
-from services.common.errors import InvalidRequest, TandemError, Unauthenticated, http_status
+from services.common.errors import (
+    DEFAULT_RETRY_AFTER_S, RETRY_AFTER_KEY, InvalidRequest, TandemError, Unauthenticated, http_status, retry_metadata,
+)
 from services.common.grpc_server import presented_secret, secret_matches
 from services.common.metrics import render_metrics
 from services.gateway import sse
 from services.gateway.choices import ChoiceSet
-from services.gateway.generation import GenerationPipeline, new_request_id
+from services.gateway.generation import GenerationPipeline
 from services.gateway.openai_schema import (
     OWNED_BY, ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
     body_error, error_body,
 )
 from services.gateway.request import GenerationRequest, salt_for_key
 from services.common.wire import DEFAULT_MAX_TOKENS
-from services.gateway.validation import REQUEST_ID_PATTERN
+from services.gateway.validation import check_choices, request_id_or_new
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-trace-id"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+RETRY_STATUSES = (429, 503)  # always sent with Retry-After
 
 T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
@@ -53,30 +57,23 @@ Body = CompletionRequest | ChatCompletionRequest
 
 @dataclass(frozen=True, slots=True)
 class HttpConfig:
-    """The HTTP bridge's settings; the limits are checked before any work is done for a request."""
+    """The HTTP bridge's settings. The request limits are the pipeline's (limits.RequestLimits),
+    shared with the gRPC door; the body size is HTTP's own."""
 
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     request_timeout: float = 600.0  # seconds a generation may take, queueing included
     max_body_bytes: int = 1 << 20  # larger bodies get 413
-    max_prompt_chars: int = 200_000  # text prompt, or all message contents together
-    max_stop_strings: int = 16
-    max_n: int = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The HTTP bridge's limit flags (the gateway's own give --api-keys, --request-timeout, --http-port)."""
-    defaults = HttpConfig()
-    add_option(parser, "--max-body-bytes", type=parse_size, default=defaults.max_body_bytes,
+    """The HTTP bridge's own flag (the gateway's give --api-keys, --request-timeout, --http-port and
+    the request limits)."""
+    add_option(parser, "--max-body-bytes", type=parse_size, default=HttpConfig().max_body_bytes,
                help="largest HTTP request body, e.g. 1MiB (larger: 413)")
-    add_option(parser, "--max-prompt-chars", type=int, default=defaults.max_prompt_chars,
-               help="longest text prompt (or all chat message contents) in characters")
-    add_option(parser, "--max-stop-strings", type=int, default=defaults.max_stop_strings,
-               help="most stop strings one request may set")
-    add_option(parser, "--max-n", type=int, default=defaults.max_n, help="most choices (n) one request may ask")
 
 
 def config_from_args(args: argparse.Namespace) -> HttpConfig:
-    """HttpConfig from the parsed flags whose names match its fields (api_keys, the limits)."""
+    """HttpConfig from the parsed flags whose names match its fields (api_keys, max_body_bytes)."""
     return from_args(HttpConfig, args)
 
 
@@ -93,9 +90,12 @@ class ClientGone(Exception):
 
 
 def error_response(error: TandemError | ApiError) -> JSONResponse:
-    """The OpenAI error JSON with the status of errors.STATUS_BY_ERROR (Retry-After on 429)."""
+    """The OpenAI error JSON with the status of errors.STATUS_BY_ERROR; 429 and 503 carry
+    Retry-After (and Retry-After-Ms), the upstream's hint or the default."""
     status, payload = error_payload(error)
     headers = dict(error.trailing_metadata()) if isinstance(error, TandemError) else {}
+    if status in RETRY_STATUSES and RETRY_AFTER_KEY not in headers:
+        headers.update(retry_metadata(DEFAULT_RETRY_AFTER_S))
     return JSONResponse(payload, status_code=status, headers=headers)
 
 
@@ -126,7 +126,7 @@ class RequestIds:
             return
         state = scope.setdefault("state", {})
         incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        state["request_id"] = incoming if REQUEST_ID_PATTERN.fullmatch(incoming) else new_request_id()
+        state["request_id"] = request_id_or_new(incoming)
 
         async def send_with_ids(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -176,8 +176,10 @@ class HttpBridge:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        status = "serving" if self.serving else "not_serving"
-        return JSONResponse({"status": status}, status_code=200 if self.serving else 503)
+        if self.serving:
+            return JSONResponse({"status": "serving"})
+        return JSONResponse({"status": "not_serving"}, status_code=503,
+                            headers=dict(retry_metadata(DEFAULT_RETRY_AFTER_S)))
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = render_metrics(self.registry)
@@ -210,7 +212,7 @@ class HttpBridge:
         """Everything checked before any work: key, body size, JSON, limits; then the pipeline's request."""
         api_key = self._authenticate(request)
         body = _parse(body_type, await _read_body(request, self.config.max_body_bytes))
-        self._check_limits(body)
+        check_choices(body.num_choices, self.pipeline.limits)
         with _named_as_sent(body):
             return body, body.generation_request(request.state.request_id, salt_for_key(api_key), DEFAULT_MAX_TOKENS)
 
@@ -224,18 +226,6 @@ class HttpBridge:
         if not secret_matches(presented, [key.encode() for key in self.config.api_keys]):
             raise Unauthenticated("invalid API key: send `Authorization: Bearer <key>` with a configured key")
         return presented
-
-    def _check_limits(self, body: Body) -> None:
-        config = self.config
-        if not 1 <= body.num_choices <= config.max_n:
-            raise InvalidRequest("n", f"must be in [1, {config.max_n}], got {body.num_choices}")
-        if len(body.stop_strings) > config.max_stop_strings:
-            raise InvalidRequest("stop", f"at most {config.max_stop_strings} stop strings are allowed, "
-                                         f"got {len(body.stop_strings)}")
-        field, length = _prompt_length(body)
-        if length > config.max_prompt_chars:
-            raise InvalidRequest(field, f"is {length} characters long; this server accepts at most "
-                                        f"{config.max_prompt_chars}")
 
     def _token_text(self, token_id: int) -> str:
         return self.pipeline.codec.decode([token_id], skip_special_tokens=False)
@@ -346,13 +336,6 @@ def _parse(body_type: type[Body], raw: bytes) -> Body:
     except ValidationError as exc:
         problem = body_error(exc)
         raise ApiError(400, problem.message, problem.param, problem.code) from None
-
-
-def _prompt_length(body: Body) -> tuple[str, int]:
-    """(field, characters) of a text prompt; token id prompts are bounded by the model's context."""
-    if isinstance(body, ChatCompletionRequest):
-        return "messages", sum(len(message.as_dict()["content"]) for message in body.messages)
-    return "prompt", len(body.prompt) if isinstance(body.prompt, str) else 0
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """`tandem gateway`: the public door. Loads the tokenizer (never torch), serves GenerateService
-over gRPC, and reports SERVING while the scheduler behind it answers its health check.
+over gRPC and the HTTP API, and reports SERVING while the scheduler behind it can serve the model
+(services/gateway/health.py).
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from fastapi import FastAPI
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import internal_auth
 from services.common.config import add_option, from_args, parse_address, parse_list
-from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, GrpcServer, create_server
+from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
 from services.common.model_config import ModelLoadError
 from services.common.model_store import default_model_dir
 from services.common.tokenizer import TextCodec
 from services.common.tracing import setup_tracing
-from services.gateway import http_app
+from services.gateway import http_app, limits
 from services.gateway.generation import GenerationPipeline
+from services.gateway.health import follow_scheduler_health
 from services.gateway.request import ServedModel
 from services.gateway.servicer import GenerateServicer
 from tandem.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
@@ -32,8 +32,6 @@ from tandem.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
 log = logging.getLogger("tandem.gateway")
 
 GENERATE_SERVICE = "tandem.v1.GenerateService"
-_CHECK_INTERVAL_S = 2.0  # scheduler health, while it is up
-_RETRY_INTERVAL_S = 0.2  # ... while it is not (start-up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +44,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...]
     internal_token: str | None  # sent to the scheduler; None only under --insecure-internal
     request_timeout: float  # seconds; the deadline of requests whose caller set none
-    http: http_app.HttpConfig  # the HTTP bridge's limits (and api_keys, request_timeout again)
+    http: http_app.HttpConfig  # the HTTP bridge's body limit (and api_keys, request_timeout again)
+    limits: limits.RequestLimits  # what one request may ask for, on both doors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--request-timeout", type=float, default=600.0,
                help="deadline in seconds of requests whose caller set none")
     http_app.add_arguments(parser)
+    limits.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem gateway: {exc}", file=sys.stderr)
         return 2
     config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
-                       http=http_app.config_from_args(args), internal_token=internal_token)
+                       http=http_app.config_from_args(args), limits=limits.limits_from_args(args),
+                       internal_token=internal_token)
     if not config.model.is_dir():
         print(f"tandem gateway: model directory {config.model} not found; run `tandem model pull-default` "
               "or pass --model DIR", file=sys.stderr)
@@ -93,7 +94,7 @@ async def serve(config: GatewayConfig) -> None:
     metrics = ServiceMetrics(model.name, "gateway")
     channel = grpc.aio.insecure_channel(config.scheduler)
     pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
-                                  config.internal_token, metrics=metrics)
+                                  config.internal_token, metrics=metrics, limits=config.limits)
     server = create_server(config.host, config.port, api_keys=config.api_keys,
                            max_receive_bytes=PUBLIC_MESSAGE_BYTES)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
@@ -103,7 +104,8 @@ async def serve(config: GatewayConfig) -> None:
     http_server = await http_app.start_http(http, config.host, config.http_port)
     log.info("serving %s on %s:%d, HTTP on port %d (scheduler %s, auth %s)", model.name, config.host, server.port,
              http_server.port, config.scheduler, "on" if config.api_keys else "off")
-    follower = asyncio.create_task(follow_scheduler_health(channel, server, http))
+    follower = asyncio.create_task(follow_scheduler_health(channel, server, http, model=model.name,
+                                                           internal_token=config.internal_token))
     try:
         await server.run_until_signal()
     finally:
@@ -111,25 +113,6 @@ async def serve(config: GatewayConfig) -> None:
         http_app.set_serving(http, False)
         await http_server.stop()
         await channel.close()
+        pipeline.close()
         tracing.shutdown()
 
-
-async def follow_scheduler_health(channel: grpc.aio.Channel, server: GrpcServer,
-                                  http: FastAPI | None = None) -> None:
-    """Keep the gateway's health equal to the scheduler's: SERVING only while it answers SERVING
-    (the HTTP app's /health too, when given)."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    serving = False
-    while True:
-        try:
-            answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            up = answer.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            up = False
-        if up != serving:
-            await (server.mark_serving() if up else server.mark_not_serving())
-            if http is not None:
-                http_app.set_serving(http, up)
-            log.info("scheduler %s: gateway now %s", "up" if up else "down", "SERVING" if up else "NOT_SERVING")
-            serving = up
-        await asyncio.sleep(_CHECK_INTERVAL_S if serving else _RETRY_INTERVAL_S)

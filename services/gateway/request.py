@@ -5,6 +5,7 @@ both convert into it at their edge) and `ServedModel`, the model it serves and i
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,3 +71,8 @@ def salt_for_key(api_key: str | None) -> str:
     if not api_key:
         return ""
     return hashlib.blake2b(api_key.encode(), digest_size=16, person=b"tandem-salt").hexdigest()
+
+
+def new_request_id() -> str:
+    """A fresh request id, for requests whose caller named none."""
+    return f"req-{secrets.token_hex(12)}"

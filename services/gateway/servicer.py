@@ -1,5 +1,7 @@
 """The public gRPC door, `tandem.v1.GenerateService`: converts at the edge and lets the
-generation pipeline do the work. Errors are TandemErrors, mapped to statuses by the interceptor.
+generation pipeline do the work (the same validation and limits as the HTTP door). Errors are
+TandemErrors, mapped to statuses by the interceptor; every call, failed ones included, names its
+request id in the initial metadata.
 """
 
 from __future__ import annotations
@@ -8,11 +10,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.common.errors import TandemError
 from services.common.grpc_server import presented_secret, remaining_timeout
 from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
 from services.gateway.output import Chunk
-from services.gateway.request import GenerationRequest, ServedModel, salt_for_key
+from services.gateway.request import GenerationRequest, ServedModel, new_request_id, salt_for_key
+from services.gateway.validation import check_repeated_sizes, request_id_or_new
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 REQUEST_ID_KEY = "x-request-id"
@@ -73,7 +77,16 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         timeout = remaining_timeout(context, default=self._default_timeout)
-        generation = await self._pipeline.start(request_from_proto(request, self._default_salt(context)), timeout)
+        request_id = request.request_id or new_request_id()
+        try:
+            check_repeated_sizes(len(request.messages), len(request.token_ids), self._pipeline.model,
+                                 self._pipeline.limits)
+            domain = request_from_proto(request, self._default_salt(context))
+            domain.request_id = request_id
+            generation = await self._pipeline.start(domain, timeout)
+        except TandemError:  # refused before any work: the id still names it (a fresh one if its own is invalid)
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id_or_new(request_id)),))
+            raise
         try:
             await context.send_initial_metadata(
                 ((REQUEST_ID_KEY, generation.request_id), (TRACE_ID_KEY, generation.trace_id)))

@@ -19,6 +19,7 @@ from services.common.errors import DeadlineExceeded, Overloaded, Unavailable
 from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
 from services.common.tracing import Attr, SpanName, setup_tracing
+from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
 from services.gateway.main import GENERATE_SERVICE, follow_scheduler_health
 from services.gateway.request import ServedModel, salt_for_key
@@ -42,6 +43,11 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.remaining: list[float | None] = []
         self.cancelled: list[str] = []
         self.delay = 0.0
+        self.workers = [scheduler_pb2.WorkerStatus(info=scheduler_pb2.WorkerInfo(
+            worker_id="colocated-0", role=common_pb2.WORKER_ROLE_COLOCATED, model="SmolLM2-135M-Instruct"))]
+
+    async def Stats(self, request, context) -> scheduler_pb2.SchedulerStats:
+        return scheduler_pb2.SchedulerStats(workers=self.workers)
 
     async def Submit(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         self.requests.append(request)
@@ -173,17 +179,17 @@ async def test_client_gone_cancels_the_submit_call(mesh):
 @pytest.mark.parametrize(
     ("salt", "code", "details", "trailing"),
     [
-        ("overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue full (2 requests)", ("retry-after", "3")),
-        ("unavailable", grpc.StatusCode.UNAVAILABLE, "decode worker decode-0 was lost", None),
-        ("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued", None),
+        ("overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, client_errors.BUSY, ("retry-after", "3")),
+        ("unavailable", grpc.StatusCode.UNAVAILABLE, client_errors.NO_WORKER, ("retry-after", "1")),
+        ("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, client_errors.DEADLINE, None),
     ],
 )
-async def test_scheduler_errors_keep_their_status_and_message(mesh, salt, code, details, trailing):
+async def test_scheduler_errors_keep_their_status_and_hint_in_stable_words(mesh, salt, code, details, trailing):
     _, _, _, channel = mesh
-    call = generate(channel, cache_salt=salt)
+    call = generate(channel, cache_salt=salt, request_id=f"{salt}-1")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         [r async for r in call]
-    assert (caught.value.code(), caught.value.details()) == (code, details)
+    assert (caught.value.code(), caught.value.details()) == (code, f"{details} (request {salt}-1)")
     if trailing:
         assert trailing in tuple(caught.value.trailing_metadata())
 

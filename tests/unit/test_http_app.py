@@ -19,8 +19,10 @@ from prometheus_client import CollectorRegistry, Counter
 from services.common.errors import DeadlineExceeded, Overloaded, TandemError, Unavailable
 from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
+from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
 from services.gateway.http_app import HttpConfig, create_http_app, set_serving, start_http
+from services.gateway.limits import RequestLimits
 from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel
 from services.common.wire import DEFAULT_MAX_TOKENS
@@ -121,8 +123,9 @@ def fake(scheduler) -> FakeScheduler:
     return scheduler[0]
 
 
-def _pipeline(codec, served_model, scheduler) -> GenerationPipeline:
-    return GenerationPipeline(codec, served_model, scheduler[1], tracer=TracerProvider().get_tracer("test"))
+def _pipeline(codec, served_model, scheduler, limits: RequestLimits = RequestLimits()) -> GenerationPipeline:
+    return GenerationPipeline(codec, served_model, scheduler[1], tracer=TracerProvider().get_tracer("test"),
+                              limits=limits)
 
 
 REGISTRY = CollectorRegistry()
@@ -135,8 +138,9 @@ def _client(app) -> httpx.AsyncClient:
 
 @pytest.fixture
 async def client(codec, served_model, scheduler) -> AsyncIterator[httpx.AsyncClient]:
-    config = HttpConfig(max_body_bytes=4096, max_prompt_chars=300, max_stop_strings=2, max_n=3)
-    app = create_http_app(_pipeline(codec, served_model, scheduler), config, REGISTRY)
+    limits = RequestLimits(max_prompt_chars=300, max_stop_strings=2, max_n=3)
+    app = create_http_app(_pipeline(codec, served_model, scheduler, limits), HttpConfig(max_body_bytes=4096),
+                          REGISTRY)
     async with _client(app) as client:
         client.app = app
         yield client
@@ -344,7 +348,8 @@ async def test_error_after_the_stream_started_is_one_error_event_then_done(clien
     response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 50, "stream": True})
     assert response.status_code == 200
     events = _events(response.text)
-    assert events[-2] == {"error": {"message": "decode worker decode-0 was lost", "type": "service_unavailable_error",
+    message = f"{client_errors.NO_WORKER} (request {response.headers['x-request-id']})"  # not the worker's words
+    assert events[-2] == {"error": {"message": message, "type": "service_unavailable_error",
                                     "param": None, "code": "unavailable"}}
     assert all("choices" in e for e in events[:-2])
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " Paris is the"
@@ -457,17 +462,19 @@ async def test_unknown_model_is_404(client, fake):
     assert "gpt-9" in error["message"]
 
 
-@pytest.mark.parametrize(("failure", "status", "headers"), [
-    (Overloaded("waiting queue full (256 requests)", retry_after=2.5), 429, {"retry-after": "3"}),
-    (Unavailable("no decode worker is registered"), 503, {}),
-    (DeadlineExceeded("deadline passed while queued"), 504, {}),
+@pytest.mark.parametrize(("failure", "status", "message", "headers"), [
+    (Overloaded("waiting queue full (256 requests)", retry_after=2.5), 429, client_errors.BUSY,
+     {"retry-after": "3", "retry-after-ms": "2500"}),
+    (Unavailable("no decode worker is registered"), 503, client_errors.NO_WORKER,
+     {"retry-after": "1", "retry-after-ms": "1000"}),
+    (DeadlineExceeded("deadline passed while queued"), 504, client_errors.DEADLINE, {}),
 ])
-async def test_scheduler_failures_map_to_http_statuses(client, fake, failure, status, headers):
+async def test_scheduler_failures_map_to_http_statuses(client, fake, failure, status, message, headers):
     for stream in (False, True):
         fake.fail = failure
         response = await client.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
         assert response.status_code == status
-        assert _error(response)["message"] == failure.message
+        assert _error(response)["message"] == f"{message} (request {response.headers['x-request-id']})"
         for name, value in headers.items():
             assert response.headers[name] == value
         assert response.headers["x-trace-id"] == fake.submits[-1].trace_id

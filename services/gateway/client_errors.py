@@ -1,0 +1,36 @@
+"""What a client is told when its request fails after the gateway accepted it: one stable message per
+status, naming the request id, with the scheduler's retry hint (or the default) on RESOURCE_EXHAUSTED
+and UNAVAILABLE. What the upstream said (worker ids and addresses, a worker's own words) is for the
+operator: it goes to the gateway's log and the request's span, never to the client.
+"""
+
+from __future__ import annotations
+
+from services.common.errors import (
+    DEFAULT_RETRY_AFTER_S, DeadlineExceeded, InvalidRequest, NotFound, Overloaded, TandemError, Unavailable,
+)
+
+BUSY = "the server is at capacity; retry after the delay in retry-after"
+NO_WORKER = "no worker can run the request now (none is available, or the one running it was lost); retry after " \
+            "the delay in retry-after"
+DEADLINE = "the request's deadline passed before it completed"
+INTERNAL = "the request failed inside the server; the operator can look it up by its request id"
+
+
+def for_client(error: TandemError, request_id: str) -> TandemError:
+    """The error to send for a request that failed upstream. Errors about the request itself
+    (INVALID_ARGUMENT, NOT_FOUND) keep their message, which names the field to fix."""
+    if isinstance(error, InvalidRequest | NotFound):
+        return error
+    if isinstance(error, Overloaded):
+        return Overloaded(_named(BUSY, request_id), retry_after=error.retry_after)
+    if isinstance(error, Unavailable):
+        retry = DEFAULT_RETRY_AFTER_S if error.retry_after is None else error.retry_after
+        return Unavailable(_named(NO_WORKER, request_id), retry_after=retry)
+    if isinstance(error, DeadlineExceeded):
+        return DeadlineExceeded(_named(DEADLINE, request_id))
+    return TandemError(_named(INTERNAL, request_id))
+
+
+def _named(message: str, request_id: str) -> str:
+    return f"{message} (request {request_id})"
