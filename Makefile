@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-setup
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test
+.PHONY: setup run test test-stress
 
 setup: $(STAMP)
 	@$(BIN)/tandem model pull-default
@@ -28,3 +28,7 @@ test: setup
 		echo "make test: redis-server not found; the tests start their own (apt-get install redis-server)" >&2; \
 		exit 1; }
 	$(BIN)/python -m pytest -q tests
+
+# The suite 5 times in a row with a busy process loading the CPU (scripts/stress_tests.sh).
+test-stress: setup
+	scripts/stress_tests.sh

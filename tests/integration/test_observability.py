@@ -12,25 +12,23 @@ import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from tandem.spans import Attr, Event, SpanName, SpanRecord, load_span_files
 from tandem.testing import Mesh, collect, greedy_request
-from tandem.trace_view import request_spans
+from tandem.trace_view import request_spans, trace_gaps
 from tandem.v1 import gateway_pb2
+from tests.waiting import DEADLINE_S, wait_until
 
-T = TypeVar("T")
 
 BLOCK = 16
 NUM_LAYERS = 30
@@ -96,22 +94,17 @@ def kv_bytes(prompt_tokens: int) -> int:
     return -(-prompt_tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
 
 
-def eventually(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while (value := probe()) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not seen within {timeout}s")
-        time.sleep(0.2)
-    return value
-
-
-def wait_for_spans(run_dir: Path, request_id: str, count: int, timeout: float = 20.0) -> list[SpanRecord]:
-    """The request's spans once `count` of them are in the span files."""
+def wait_for_spans(run_dir: Path, request_id: str, count: int) -> list[SpanRecord]:
+    """The request's spans once its trace is whole (every started span written, every parent there);
+    there must be exactly `count` of them."""
     def probe() -> list[SpanRecord] | None:
-        spans = request_spans(load_span_files(run_dir).spans, request_id)
-        return spans if len(spans) >= count else None
+        loaded = load_span_files(run_dir)
+        spans = request_spans(loaded.spans, request_id)
+        return spans if spans and trace_gaps(spans, loaded.started, request_id).complete else None
 
-    return eventually(probe, timeout, f"{count} spans of request {request_id}")
+    spans = wait_until(probe, f"the whole trace of request {request_id}")
+    assert len(spans) == count, sorted(s.name for s in spans)
+    return spans
 
 
 def span_count(prompt_tokens: int) -> int:
@@ -180,8 +173,6 @@ def trace_cli(run_dir: Path, *args: str) -> str:
 def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, model_name):
     messages = generate(mesh, request(prompt_of(40, 1), 6, "obs-one", top_p=0.5))
     spans = wait_for_spans(run_dir, "obs-one", span_count(40))
-    time.sleep(1.0)  # a second flush adds nothing: exactly these spans
-    assert len(request_spans(load_span_files(run_dir).spans, "obs-one")) == span_count(40)
 
     assert {s.trace_id for s in spans} == {messages[0].trace_id}
     assert {s.request_id for s in spans} == {"obs-one"}
@@ -391,13 +382,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
     services = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill-0", "decode": "decode-0"}
     urls = {service: mesh.endpoint(name, "metrics").address for service, name in services.items()}
-    mesh.wait_idle(5.0)
+    mesh.wait_idle(DEADLINE_S)
     before = {service: scrape(url) for service, url in urls.items()}
     sent = [(prompt_of(24 + 9 * i, 20 + i), 3 + i) for i in range(4)]  # prompts 24..51 tokens, 3..6 tokens out
     ids = [f"obs-metrics-{i}" for i in range(len(sent))]
     with ThreadPoolExecutor(len(sent)) as pool:
         list(pool.map(lambda i: generate(mesh, request(sent[i][0], sent[i][1], ids[i])), range(len(sent))))
-    mesh.wait_idle(5.0)
+    mesh.wait_idle(DEADLINE_S)
     n, prompt_tokens, output_tokens = len(sent), sum(len(p) for p, _ in sent), sum(m for _, m in sent)
 
     def settled() -> dict[str, Samples] | None:  # gauges follow the last engine step or call
@@ -406,7 +397,7 @@ def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
                    == value(now[s], "tandem:kv_cache_usage_perc") == 0 for s in now)
         return now if idle else None
 
-    after = eventually(settled, 5.0, "idle gauges on every service")
+    after = wait_until(settled, "idle gauges on every service")
 
     def delta(service: str, name: str, **labels: str) -> float:
         return value(after[service], name, **labels) - value(before[service], name, **labels)
@@ -477,25 +468,16 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def median_latency(mesh: Mesh, seeds: range, prefix: str) -> float:
-    latencies = []
-    for seed in seeds:
-        started = time.perf_counter()
-        generate(mesh, request(prompt_of(32, seed), 4, f"{prefix}-{seed}"))
-        latencies.append(time.perf_counter() - started)
-    return statistics.median(latencies)
-
-
-def test_a_dead_otlp_endpoint_slows_nothing_and_fails_no_request(mesh, tmp_path, default_model_dir):
-    baseline = median_latency(mesh, range(100, 106), "obs-file")
+def test_a_dead_otlp_endpoint_fails_no_request_and_is_reported(tmp_path, default_model_dir):
+    # That exporting costs the request path nothing is tests/unit/test_tracing.py's to show: spans
+    # are exported on the batch worker, never on the thread that ends them.
     endpoint = f"http://127.0.0.1:{closed_port()}"
     broken_dir = tmp_path / "otlp"
     broken = Mesh.start("--prefill", "1", "--decode", "1", "--model", str(default_model_dir),
                         env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}, run_dir=broken_dir)
     try:
-        median_latency(broken, range(200, 202), "obs-warmup")
-        with_dead_otlp = median_latency(broken, range(100, 106), "obs-otlp")
-        assert with_dead_otlp < 2 * baseline + 0.25, (with_dead_otlp, baseline)
+        for seed in range(100, 103):
+            generate(broken, request(prompt_of(32, seed), 4, f"obs-otlp-{seed}"))  # all 4 tokens, no error
 
         def warned() -> str | None:
             for log in sorted(broken_dir.glob("*.log")):
@@ -504,7 +486,7 @@ def test_a_dead_otlp_endpoint_slows_nothing_and_fails_no_request(mesh, tmp_path,
                         return line
             return None
 
-        eventually(warned, 45.0, "a warning about the dead OTLP endpoint in a service log")
+        wait_until(warned, "a warning about the dead OTLP endpoint in a service log", timeout=60)
         generate(broken, request(prompt_of(32, 300), 4, "obs-after-warning"))  # dropping spans, still serving
     finally:
         broken.stop()

@@ -26,6 +26,7 @@ from tandem.client import (
     TokenLogprob, TopLogprob, Usage,
 )
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.waiting import DEADLINE_S, eventually
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02, jitter=0.0)
 KINDS = ["sync", "async"]
@@ -385,12 +386,11 @@ def test_other_codes_are_never_retried(gateway: FakeGateway, kind: str) -> None:
 def test_retries_stay_within_the_call_deadline(gateway: FakeGateway) -> None:
     # Attempts at about 0 s, 0.4 s, 0.8 s; a fourth would start after the 1 s deadline.
     steady = RetryPolicy(max_attempts=100, initial_backoff=0.4, multiplier=1.0, jitter=0.0)
-    started = time.monotonic()
     chunks, error = call("sync", gateway.target, "generate", "flaky:100", request_id="r-deadline",
                          timeout=1.0, client={"retry": steady})
     assert isinstance(error, errors.Unavailable)
-    assert gateway.seen("r-deadline").attempts == 3
-    assert time.monotonic() - started < 1.0
+    # Three when the machine keeps up; fewer when it lags, never the 100 allowed.
+    assert 1 < gateway.seen("r-deadline").attempts <= 3
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -415,8 +415,8 @@ def test_deadline_exceeded(gateway: FakeGateway, kind: str) -> None:
     chunks, error = call(kind, gateway.target, "generate", "silent", request_id="r-slow", timeout=0.3)
     assert chunks == [] and isinstance(error, errors.DeadlineExceeded)
     assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0.3 <= time.monotonic() - started < 2.0
-    assert gateway.seen("r-slow").cancelled.wait(timeout=2)
+    assert time.monotonic() - started >= 0.3  # not before the deadline (a loaded machine only adds time)
+    assert gateway.seen("r-slow").cancelled.wait(timeout=DEADLINE_S)
 
 
 def test_client_default_timeout_applies(gateway: FakeGateway) -> None:
@@ -430,24 +430,24 @@ def test_breaking_out_of_the_loop_cancels_the_server_call(gateway: FakeGateway) 
         for chunk in sdk.generate("hang", request_id="r-break"):
             assert chunk.token_ids == [100]
             break
-        assert gateway.seen("r-break").cancelled.wait(timeout=2)
+        assert gateway.seen("r-break").cancelled.wait(timeout=DEADLINE_S)
 
 
 def test_closing_the_stream_cancels_the_server_call(gateway: FakeGateway) -> None:
     with Client(gateway.target) as sdk:
         with sdk.generate("hang", request_id="r-with") as stream:
             assert next(stream).token_ids == [100]
-        assert gateway.seen("r-with").cancelled.wait(timeout=2)
+        assert gateway.seen("r-with").cancelled.wait(timeout=DEADLINE_S)
         stream = sdk.generate("hang", request_id="r-close")
         next(stream)
         stream.close()
-        assert gateway.seen("r-close").cancelled.wait(timeout=2)
+        assert gateway.seen("r-close").cancelled.wait(timeout=DEADLINE_S)
         with pytest.raises(StopIteration):
             next(stream)
 
 
 async def _cancelled(gateway: FakeGateway, request_id: str) -> bool:
-    return await asyncio.to_thread(gateway.seen(request_id).cancelled.wait, 2)
+    return await asyncio.to_thread(gateway.seen(request_id).cancelled.wait, DEADLINE_S)
 
 
 async def test_async_breaking_out_of_the_loop_cancels_the_server_call(gateway: FakeGateway) -> None:
@@ -472,8 +472,7 @@ async def test_async_task_cancellation_cancels_the_server_call(gateway: FakeGate
                 pass
 
         task = asyncio.create_task(consume())
-        while gateway.seen("r-atask").attempts == 0:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: gateway.seen("r-atask").attempts, "the call at the server")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

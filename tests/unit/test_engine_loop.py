@@ -14,6 +14,7 @@ from services.runtime.engine import Engine, EngineConfig, IterationWork
 from services.runtime.sampler import SamplingParams
 from services.worker.engine_loop import EngineLoop, StepResult
 from tests.unit.test_model_tiny import PROMPT, make_tiny
+from tests.waiting import eventually
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(block_size=4, num_kv_blocks=32)
@@ -65,11 +66,10 @@ async def test_each_step_says_what_each_request_computed(model_dir):
     loop.start()
     two_tokens = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     await loop.call(lambda e: e.add_request("cold", PROMPT, two_tokens))  # 19 tokens: chunks of 8, 8, 3
-    while not any(o.finish_reason for s in steps for o in s.outputs):
-        await asyncio.sleep(0.01)
+    await eventually(lambda: any(o.finish_reason for s in steps for o in s.outputs), "the cold request's end")
     await loop.call(lambda e: e.add_request("warm", PROMPT, two_tokens))  # 4 blocks of 4 tokens cached
-    while sum(bool(o.finish_reason) for s in steps for o in s.outputs) < 2:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: sum(bool(o.finish_reason) for s in steps for o in s.outputs) == 2,
+                     "the warm request's end")
     await loop.stop()
     stepped = [s for s in steps if s.work]
     assert [(s.work, s.batch_size) for s in stepped] == [
