@@ -7,8 +7,11 @@ import pytest
 
 from services.common.errors import InvalidRequest, NotFound
 from services.common.sampling_params import SamplingParams
+from services.gateway.limits import RequestLimits
 from services.gateway.request import GenerationRequest, ServedModel
-from services.gateway.validation import check_prompt_length, validate_request
+from services.gateway.validation import (
+    REQUEST_ID_PATTERN, check_choices, check_prompt_length, check_repeated_sizes, request_id_or_new, validate_request,
+)
 
 MODEL = ServedModel(name="smol", max_model_len=100, vocab_size=1000, has_chat_template=True, created=0)
 
@@ -137,3 +140,65 @@ def test_max_tokens_beyond_the_context():
 def test_prompt_and_max_tokens_filling_the_context_exactly_pass():
     check_prompt_length("prompt", 90, 10, MODEL)
     check_prompt_length("prompt", 99, 1, MODEL)
+
+
+SMALL = RequestLimits(max_prompt_chars=10, max_messages=2, max_stop_strings=2, max_stop_chars=3, max_stop_token_ids=2,
+                      max_n=3, max_cache_salt_chars=4)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "fields", "field", "message"),
+    [
+        (None, {"prompt": "x" * 11}, "prompt", "prompt: has 11 characters; this server accepts at most 10"),
+        (None, {"prompt": None, "messages": [{"role": "user", "content": "x" * 7}]}, "messages",
+         "messages: has 11 characters in roles and contents; this server accepts at most 10"),
+        (None, {"prompt": None, "messages": [{"role": "u", "content": ""}] * 3}, "messages",
+         "messages: has 3 messages; this server accepts at most 2"),
+        (None, {"stop": ("a", "b", "c")}, "stop", "stop: has 3 stop strings; this server accepts at most 2"),
+        (None, {"stop": ("abc", "abcd")}, "stop",
+         "stop: stop string 1 has 4 characters; this server accepts at most 3"),
+        (SamplingParams(stop_token_ids=(1, 2, 3)), {}, "stop_token_ids",
+         "stop_token_ids: has 3 ids; this server accepts at most 2"),
+        (None, {"cache_salt": "salty"}, "cache_salt", "cache_salt: has 5 characters; this server accepts at most 4"),
+        # Sizes come before the values: 10**6 is out of the vocabulary, but the count is what is reported.
+        (None, {"prompt": None, "token_ids": [10**6] * 100}, "token_ids",
+         "token_ids: the prompt has 100 tokens but the model's context is 100 tokens, including at least one "
+         "generated token; shorten it to at most 99 tokens"),
+        (SamplingParams(stop_token_ids=(-1,) * 3), {}, "stop_token_ids",
+         "stop_token_ids: has 3 ids; this server accepts at most 2"),
+    ],
+)
+def test_each_request_limit_names_its_field_and_value(sampling, fields, field, message):
+    with pytest.raises(InvalidRequest) as caught:
+        validate_request(request(sampling, **fields), MODEL, SMALL)
+    assert (caught.value.field, caught.value.message) == (field, message)
+
+
+def test_requests_at_the_limits_pass():
+    fields = {"prompt": "x" * 10, "stop": ("abc", "d"), "cache_salt": "salt"}
+    assert validate_request(request(SamplingParams(stop_token_ids=(1, 2)), **fields), MODEL, SMALL) == "prompt"
+    chat = [{"role": "user", "content": "hi"}, {"role": "u", "content": "x"}]  # 4 + 2 + 1 + 1 characters
+    assert validate_request(request(prompt=None, messages=chat), MODEL, SMALL) == "messages"
+
+
+def test_the_number_of_choices():
+    check_choices(3, SMALL)
+    for n in (0, 4):
+        with pytest.raises(InvalidRequest) as caught:
+            check_choices(n, SMALL)
+        assert caught.value.message == f"n: must be in [1, 3], got {n}"
+
+
+def test_repeated_fields_are_sized_before_conversion():
+    with pytest.raises(InvalidRequest) as caught:
+        check_repeated_sizes(3, 0, MODEL, SMALL)
+    assert caught.value.message == "messages: has 3 messages; this server accepts at most 2"
+    with pytest.raises(InvalidRequest) as caught:
+        check_repeated_sizes(0, 100, MODEL, SMALL)
+    assert caught.value.field == "token_ids"
+    check_repeated_sizes(2, 99, MODEL, SMALL)
+
+
+def test_a_request_id_names_every_response():
+    assert request_id_or_new("mine-1") == "mine-1"
+    assert REQUEST_ID_PATTERN.fullmatch(request_id_or_new("bad id!")) and request_id_or_new("").startswith("req-")

@@ -166,3 +166,17 @@ def test_incremental_keeps_spaces_of_metaspace_tokens(metaspace_codec):
 def test_missing_tokenizer_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json: missing"):
         TextCodec.from_model_dir(tmp_path)
+
+
+def test_threads_share_one_codec_and_get_what_one_thread_gets(codec):
+    """No lock: encodes, chat templates and decodes run at once in many threads (as the gateway's
+    tokenizer pool and its event loop do) and give exactly the single-threaded results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chats = [[{"role": "user", "content": text}] for text in TEXTS if text]
+    jobs = ([(codec.encode, text) for text in TEXTS + [MIXED * 50]] + [(codec.apply_chat_template, c) for c in chats]
+            + [(codec.decode, codec.encode(text)) for text in TEXTS])
+    expected = [work(arg) for work, arg in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(20):
+            assert list(pool.map(lambda job: job[0](job[1]), jobs)) == expected
