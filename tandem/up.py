@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import grpc
 
@@ -25,6 +27,8 @@ from tandem.supervisor import Child, Interrupted, StartFailed, stop_all, wait_re
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# `tandem up` settles these for its children: they get the token itself, never a file or "insecure".
+_AUTH_VARIABLES = ("TANDEM_INTERNAL_TOKEN", "TANDEM_INTERNAL_TOKEN_FILE", "TANDEM_INSECURE_INTERNAL")
 WORKER_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 _WATCH_S = 0.5
 
@@ -44,6 +48,7 @@ class UpConfig:
     device: str  # "auto": one GPU per worker round-robin when there are GPUs, else cpu
     start_timeout: float
     stop_grace: float
+    internal_token_file: Path | None  # None: TANDEM_INTERNAL_TOKEN, else a random token for this run
 
     @property
     def connect_host(self) -> str:
@@ -81,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port; 0 picks a free one")
     parser.add_argument("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
                         help="use this Redis (env TANDEM_REDIS_URL); default: start redis-server if installed, "
-                             "else the scheduler's embedded store")
+                             "with the internal token as its password, else the scheduler's embedded store")
+    parser.add_argument("--internal-token-file", type=Path,
+                        default=os.environ.get("TANDEM_INTERNAL_TOKEN_FILE") or None, metavar="FILE",
+                        help="file holding the internal token every service shares (env TANDEM_INTERNAL_TOKEN_FILE, "
+                             "or the token itself in TANDEM_INTERNAL_TOKEN); default: a random token for this run")
     parser.add_argument("--threads-per-worker", type=_count, default=None,
                         help="CPU threads of each worker (default: the cores shared evenly)")
     parser.add_argument("--device", default="auto",
@@ -100,13 +109,18 @@ def _count(text: str) -> int:
 def main(args: argparse.Namespace) -> int:
     config = UpConfig(**{name: getattr(args, name) for name in UpConfig.__dataclass_fields__})
     try:
+        token = _internal_token(config.internal_token_file)
+    except ValueError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    try:
         model_dir = config.model or _default_model()
     except RuntimeError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    system = LocalSystem(config, model_dir, run_dir())
+    system = LocalSystem(config, model_dir, run_dir(), token)
     try:
         system.start(stop)
         for endpoint in system.endpoints:
@@ -130,6 +144,18 @@ def _default_model() -> Path:
     return ensure_default_model()
 
 
+def _internal_token(token_file: Path | None) -> str:
+    """The token given (TANDEM_INTERNAL_TOKEN or the file), else a new random one for this run."""
+    from services.common.internal_auth import TOKEN_ENV, read_token
+
+    given = read_token(os.environ.get(TOKEN_ENV), token_file)
+    if given is not None:
+        return given
+    print("tandem up: generated a random internal token for this run (set TANDEM_INTERNAL_TOKEN to choose one)",
+          file=sys.stderr)
+    return secrets.token_urlsafe(32)
+
+
 class LocalSystem:
     """The children of one `tandem up`, started tier by tier: redis, scheduler, workers, gateway.
 
@@ -137,14 +163,17 @@ class LocalSystem:
     the scheduler lists them, so `ready` means a request can be served.
     """
 
-    def __init__(self, config: UpConfig, model_dir: Path, logs: Path) -> None:
+    def __init__(self, config: UpConfig, model_dir: Path, logs: Path, token: str) -> None:
         self.config = config
         self.model_dir = model_dir
         self.logs = logs
+        self.token = token
         self.tiers: list[list[Child]] = []
         self.endpoints: list[Endpoint] = []
         self._ports: set[int] = set()
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Secrets go to the children by environment, which `ps` does not show (argv it does).
+        inherited = {k: v for k, v in os.environ.items() if k not in _AUTH_VARIABLES}
+        self._env = {**inherited, "PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": token}
         self._reported: set[str] = set()
 
     def start(self, stop: threading.Event) -> None:
@@ -177,26 +206,37 @@ class LocalSystem:
 
     def _start_redis(self, stop: threading.Event) -> str | None:
         if self.config.redis_url:
-            self.endpoints.append(Endpoint("redis", "redis", self.config.redis_url))
+            self.endpoints.append(Endpoint("redis", "redis", _without_password(self.config.redis_url)))
             return self.config.redis_url
         executable = shutil.which("redis-server")
         if executable is None:
             print("tandem up: redis-server not found; the scheduler uses its embedded store", file=sys.stderr)
             return None
         port = self._free_port()
-        argv = [executable, "--port", str(port), "--bind", self.config.connect_host, "--save", "",
-                "--appendonly", "no", "--dir", str(self.logs)]
-        child = Child("redis", argv, self.logs / "redis.log", lambda: _redis_ping(self.config.connect_host, port),
+        argv = [executable, str(self._redis_config()), "--port", str(port), "--bind", self.config.connect_host,
+                "--save", "", "--appendonly", "no", "--dir", str(self.logs)]
+        host = self.config.connect_host
+        child = Child("redis", argv, self.logs / "redis.log", lambda: _redis_ping(host, port, self.token),
                       essential=False)
         self._start_tier([child], stop)
-        url = f"redis://{self.config.connect_host}:{port}/0"
+        url = f"redis://{host}:{port}/0"
         self.endpoints.append(Endpoint("redis", "redis", url, child.pid))
-        return url
+        return f"redis://:{quote(self.token, safe='')}@{host}:{port}/0"
+
+    def _redis_config(self) -> Path:
+        """A config file, readable by this user only, that gives Redis the internal token as its password."""
+        path = self.logs / "redis.conf"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(descriptor, 0o600)  # an older file may have had wider permissions
+        with os.fdopen(descriptor, "w") as config:
+            config.write(f"requirepass {self.token}\n")
+        return path
 
     def _start_scheduler(self, redis_url: str | None, stop: threading.Event) -> str:
         port, metrics_port = self._free_port(), self._free_port()
-        flags = ["--metrics-port", str(metrics_port)] + (["--redis-url", redis_url] if redis_url else [])
-        child = self._service("scheduler", "scheduler", port, flags)
+        if redis_url:  # by environment: the URL carries the password
+            self._env["TANDEM_REDIS_URL"] = redis_url
+        child = self._service("scheduler", "scheduler", port, ["--metrics-port", str(metrics_port)])
         self._start_tier([child], stop)
         self._add_grpc_endpoints(child, port, metrics_port)
         return self._address(port)
@@ -213,7 +253,7 @@ class LocalSystem:
                 flags = ["--advertise", self._address(port), "--scheduler", scheduler, "--model",
                          str(self.model_dir), "--threads", str(threads), "--device", devices[len(children)],
                          "--metrics-port", str(metrics_port)]
-                ready = _registered_and_serving(self._address(port), scheduler)
+                ready = _registered_and_serving(self._address(port), scheduler, self.token)
                 children.append(self._service(f"{role}-{index}", role, port, flags, ready, essential=False))
                 ports.append((port, metrics_port))
         self._start_tier(children, stop)
@@ -267,12 +307,11 @@ def _serving(address: str) -> bool:
     return check(address, timeout=1.0) == SERVING
 
 
-def _registered_and_serving(address: str, scheduler: str) -> Callable[[], bool]:
+def _registered_and_serving(address: str, scheduler: str, token: str) -> Callable[[], bool]:
     """A worker is ready when it is SERVING and the scheduler's registry lists its address."""
     from services.common.grpc_server import INTERNAL_TOKEN_KEY
 
-    token = os.environ.get("TANDEM_INTERNAL_TOKEN")
-    metadata = ((INTERNAL_TOKEN_KEY, token),) if token else ()
+    metadata = ((INTERNAL_TOKEN_KEY, token),)
 
     def ready() -> bool:
         if not _serving(address):
@@ -285,10 +324,21 @@ def _registered_and_serving(address: str, scheduler: str) -> Callable[[], bool]:
     return ready
 
 
-def _redis_ping(host: str, port: int) -> bool:
+def _redis_ping(host: str, port: int, password: str) -> bool:
     with socket.create_connection((host, port), timeout=0.5) as sock:
-        sock.sendall(b"PING\r\n")
-        return sock.recv(16).startswith(b"+PONG")
+        sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+        answer = b""
+        while answer.count(b"\r\n") < 2 and (data := sock.recv(64)):
+            answer += data
+        return answer == b"+OK\r\n+PONG\r\n"
+
+
+def _without_password(url: str) -> str:
+    """'redis://:secret@host:6379/0' -> 'redis://host:6379/0', for printing."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _devices(device: str, count: int) -> list[str]:
