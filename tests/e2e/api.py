@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tandem.testing import Mesh
+from tests.waiting import DEADLINE_S
+
 API_KEY = "sk-e2e"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -27,3 +30,10 @@ def sse_events(body: bytes) -> list[Any]:
         events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events[-3:]
     return events[:-1]
+
+
+def wait_aborted_and_idle(mesh: Mesh, aborted_before: int) -> None:
+    """Wait until the mesh holds no request and no block, then check that it is idle because one more
+    request was aborted (client gone, stop string, deadline), not because it ran to its end."""
+    mesh.wait_idle(DEADLINE_S)
+    assert mesh.scheduler_stats().aborted == aborted_before + 1

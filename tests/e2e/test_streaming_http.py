@@ -20,7 +20,7 @@ import httpx
 import pytest
 import tandem
 from services.common.tokenizer import TextCodec
-from tests.e2e.api import API_KEY, AUTH, prompt_of, sse_events
+from tests.e2e.api import API_KEY, AUTH, prompt_of, sse_events, wait_aborted_and_idle
 from tests.waiting import DEADLINE_S, wait_until
 
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
@@ -142,9 +142,10 @@ def test_a_stop_string_aborts_the_request_upstream(http, mesh):
     body = {"prompt": prompt_of(30, 3), "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     first_tokens = http.post("/v1/completions", json={**body, "max_tokens": 6}).json()["choices"][0]["text"]
     stop = first_tokens[-3:]
+    aborted = mesh.scheduler_stats().aborted
     response = http.post("/v1/completions", json={**body, "stop": stop}).json()
     assert response["choices"][0]["finish_reason"] == "stop" and response["usage"]["completion_tokens"] <= 6
-    mesh.wait_idle(1.0)  # 400 tokens would take many seconds: the stop string cancelled them
+    wait_aborted_and_idle(mesh, aborted)  # the stop string cancelled the other 394 tokens
 
 
 @pytest.mark.parametrize("prompt, max_tokens", [(KOREAN, 30), (EMOJI, 30), (TRANSLATE, 30)],
@@ -170,11 +171,12 @@ def test_multibyte_characters_split_across_tokens_stream_whole(http, sdk, codec,
 
 def test_client_disconnect_mid_stream_frees_the_blocks(http, mesh):
     body = {"prompt": prompt_of(40, 4), "max_tokens": 500, "ignore_eos": True, "stream": True}
+    aborted = mesh.scheduler_stats().aborted
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: {")
         assert mesh.worker_stats("decode-0").referenced_blocks > 0
-    mesh.wait_idle(1.0)
+    wait_aborted_and_idle(mesh, aborted)
 
 
 def test_client_disconnect_mid_stream_frees_the_blocks_of_every_choice(http, mesh):
@@ -183,14 +185,15 @@ def test_client_disconnect_mid_stream_frees_the_blocks_of_every_choice(http, mes
         events = (line for line in response.iter_lines() if line)
         indexes = {json.loads(next(events).removeprefix("data: "))["choices"][0]["index"] for _ in range(8)}
         assert indexes == {0, 1}
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 def test_client_leaving_a_non_streaming_request_frees_the_blocks(http, mesh):
+    aborted = mesh.scheduler_stats().aborted
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json={"prompt": prompt_of(40, 7), "max_tokens": 500, "ignore_eos": True},
                   timeout=1.5)
-    mesh.wait_idle(1.0)
+    wait_aborted_and_idle(mesh, aborted)
 
 
 def test_client_disconnect_before_the_first_token_frees_the_blocks(mesh):
@@ -210,4 +213,4 @@ def test_client_disconnect_before_the_first_token_frees_the_blocks(mesh):
         sock.settimeout(0.0)
         with pytest.raises(BlockingIOError):
             sock.recv(1)  # no response yet: the prompt is still prefilling
-    mesh.wait_idle(4.0)
+    mesh.wait_idle(DEADLINE_S)

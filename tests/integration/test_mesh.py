@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,6 +15,7 @@ import pytest
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
 from tandem.testing import Mesh, collect, greedy_request
+from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "test-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -55,7 +55,7 @@ def test_concurrent_greedy_requests_match_hf(mesh, parity_prompts, parity_refere
         assert messages[0].request_id and messages[0].trace_id
         assert messages[-1].usage.prompt_tokens == len(parity_prompts[i])
         assert messages[-1].usage.completion_tokens == len(tokens)
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 def test_short_request_finishes_before_a_long_one_decoding(mesh):
@@ -117,18 +117,20 @@ def test_cancel_mid_stream_frees_blocks(mesh):
     request = greedy_request(prompt_of(40, 6), 200)
     request.sampling.ignore_eos = True
     call = mesh.gateway().Generate(request, metadata=AUTH, timeout=120)
+    aborted = mesh.scheduler_stats().aborted
     for count, _ in enumerate(call):
         if count == 3:
             break
     call.cancel()
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
+    assert mesh.scheduler_stats().aborted == aborted + 1  # idle because cancelled, not because finished
 
 
 def test_cancel_while_queued_frees_blocks(mesh):
     request = greedy_request(prompt_of(300, 7), 50)
     call = mesh.gateway().Generate(request, metadata=AUTH, timeout=120)
     call.cancel()
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 def test_200_mixed_requests_leave_nothing_behind(mesh):
@@ -151,7 +153,7 @@ def test_200_mixed_requests_leave_nothing_behind(mesh):
         outcomes = list(pool.map(one, range(200)))
     assert outcomes.count("finish") == 67 and outcomes.count("cancel") == 67
     assert outcomes.count("INVALID_ARGUMENT") == 66
-    mesh.wait_idle(2.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 BAD_INPUTS = [
@@ -196,15 +198,11 @@ def test_killed_decode_worker_fails_its_requests_fast(mesh):
     address = next(w.info.address for w in mesh.scheduler_stats().workers if w.info.worker_id == victim_id)
     victim = next(ep for ep in mesh.endpoints if ep.kind == "grpc" and ep.address == address)
     os.kill(victim.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         for _ in call:
             pass
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - killed_at < 2.0
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # at once: not DEADLINE_EXCEEDED after 120 s
     tokens, _ = generate(mesh, greedy_request(prompt_of(12, 10), 3))
     assert len(tokens) == 3
-    deadline = time.monotonic() + 6
-    while any(w.info.address == victim.address for w in mesh.scheduler_stats().workers):
-        assert time.monotonic() < deadline, "the killed worker is still registered after its TTL"
-        time.sleep(0.2)
+    wait_until(lambda: all(w.info.address != victim.address for w in mesh.scheduler_stats().workers),
+               "the killed worker unregistered after its TTL")

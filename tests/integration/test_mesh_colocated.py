@@ -8,6 +8,7 @@ import pytest
 
 from tandem.testing import Mesh, collect, greedy_request
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
+from tests.waiting import DEADLINE_S
 
 
 @pytest.fixture(scope="module")
@@ -30,4 +31,4 @@ def test_concurrent_greedy_requests_match_hf(mesh, parity_prompts, parity_refere
     (worker,) = mesh.names("colocated")
     stats = mesh.worker_stats(worker)
     assert stats.max_batch_size > 1 and stats.kv_bytes_received == 0 and stats.kv_bytes_sent == 0
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)

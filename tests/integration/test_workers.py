@@ -26,6 +26,7 @@ from services.common.health_cli import check, wait_until_serving
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.hf_reference import LONG_PREFIX, MAX_NEW_TOKENS, assert_matches
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -264,15 +265,6 @@ def prefill(mesh: Mesh, rid: str, prompt: list[int], reservation: worker_pb2.Res
     return mesh.prefill_stub().Prefill(request, timeout=timeout)
 
 
-def poll(predicate: Callable[[], object], timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout} s for {what}")
-        time.sleep(0.02)
-    return result
-
-
 def cache_index(reports: list[scheduler_pb2.ReportBlocksRequest]) -> set[str]:
     """The cache contents the reports describe, as the scheduler's prefix index would hold them."""
     index: set[str] = set()
@@ -288,16 +280,13 @@ def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
-def wait_idle(worker: Worker, timeout: float = 5) -> worker_pb2.WorkerStats:
+def wait_idle(worker: Worker) -> worker_pb2.WorkerStats:
     """Stats once nothing holds a block (finished and aborted requests freed theirs)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def idle() -> worker_pb2.WorkerStats | None:
         stats = worker.stats()
-        if stats.referenced_blocks == 0 and stats.running == 0 and stats.waiting == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{worker.role} still holds blocks after {timeout} s:\n{stats}")
-        time.sleep(0.05)
+        return stats if stats.referenced_blocks == 0 and stats.running == 0 and stats.waiting == 0 else None
+
+    return wait_until(idle, f"{worker.role} holding no block")
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -463,9 +452,7 @@ def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     mesh.recorder.wait(lambda: len(mesh.recorder.events("long-run")) >= 4, 30, "a few decode tokens")
     aborted = mesh.decode_stub().Abort(common_pb2.AbortRequest(request_ids=["long-run", "unknown"]), timeout=5)
     assert list(aborted.aborted_ids) == ["long-run"]
-    started = time.monotonic()
-    wait_idle(mesh.decode, timeout=1)
-    assert time.monotonic() - started < 1
+    wait_idle(mesh.decode)
 
     # An abort that reaches the prefill worker while it computes the prompt ends it there.
     uncached = [1000 + i for i in range(600)]  # three prefill iterations (256 + 256 + 88 tokens)
@@ -473,12 +460,12 @@ def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     with futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(prefill, mesh, "early-abort", uncached, reservation, max_tokens=8)
         abort = common_pb2.AbortRequest(request_ids=["early-abort"])
-        poll(lambda: mesh.prefill_stub().Abort(abort, timeout=5).aborted_ids, 10, "the abort")
+        wait_until(lambda: mesh.prefill_stub().Abort(abort, timeout=5).aborted_ids, "the abort")
         response = pending.result()
     assert response.finish_reason == common_pb2.FINISH_REASON_ABORT
     assert mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="early-abort"), timeout=5).released_blocks
-    wait_idle(mesh.prefill, timeout=1)
-    wait_idle(mesh.decode, timeout=1)
+    wait_idle(mesh.prefill)
+    wait_idle(mesh.decode)
 
 
 def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
@@ -521,8 +508,9 @@ def test_worker_follows_its_scheduler_and_stops_cleanly(tmp_path, default_model_
     worker = spawn_worker("decode", f"127.0.0.1:{port}", tmp_path, "--model", str(default_model_dir))
     schedulers: list[Scheduler] = []
     try:
-        poll(lambda: "registering with" in worker.log.read_text(), 60, "the model to load")
-        time.sleep(0.5)  # loaded, but there is no scheduler to register with
+        # Loaded, and a registration attempt failed: there is no scheduler to register with.
+        wait_until(lambda: "scheduler not reachable yet" in worker.log.read_text(), "a failed registration",
+                   timeout=90)
         assert check(worker.address) == "NOT_SERVING"
         schedulers.append(start_scheduler(port))
         wait_serving(worker, timeout=30)
@@ -532,7 +520,7 @@ def test_worker_follows_its_scheduler_and_stops_cleanly(tmp_path, default_model_
         stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_tokens=40), timeout=5)
         assert worker.stats().reserved_blocks == 3
         schedulers[0].server.stop(grace=None)
-        poll(lambda: worker.stats().reserved_blocks == 0, 5, "the orphaned reservation to be freed")
+        wait_until(lambda: worker.stats().reserved_blocks == 0, "the orphaned reservation to be freed")
 
         schedulers.append(start_scheduler(port))
         restarted = schedulers[1].servicer
