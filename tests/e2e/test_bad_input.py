@@ -5,10 +5,12 @@ work — and the next request is served as usual.
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import pytest
 
-from tests.e2e.api import prompt_of
+from tandem.v1 import common_pb2, gateway_pb2
+from tests.e2e.api import API_KEY, prompt_of
 
 CHAT = [{"role": "user", "content": "Hi"}]
 RANGE, TYPE = "invalid_request", "invalid_type"  # a value out of range; a value of the wrong JSON type
@@ -117,3 +119,45 @@ def test_unknown_model_path_and_method(mesh, http):
     assert_error(http.get("/v1/completions"), 405, "invalid_request_error", None, None)
     assert_served(http)
     mesh.wait_idle(1.0)
+
+
+# --- the gRPC door: the same limits as HTTP, with the same messages -----------------------------
+
+GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
+OVER_LIMITS = [  # (gRPC request fields, the same request as an HTTP body, exact message)
+    ({"sampling": common_pb2.SamplingParams(stop=["x"] * 100_000)}, {"stop": ["x"] * 100_000},
+     "stop: has 100000 stop strings; this server accepts at most 16"),
+    ({"prompt": "x" * 200_001}, {"prompt": "x" * 200_001},
+     "prompt: has 200001 characters; this server accepts at most 200000"),
+    ({"sampling": common_pb2.SamplingParams(logprobs=21)}, {"logprobs": 21},
+     "logprobs: must be in [0, 20] or unset, got 21"),
+    ({"sampling": common_pb2.SamplingParams(stop=["x" * 2000])}, {"stop": ["x" * 2000]},
+     "stop: stop string 0 has 2000 characters; this server accepts at most 1024"),
+]
+
+
+@pytest.mark.parametrize("fields, body, message", OVER_LIMITS,
+                         ids=["stop-count", "prompt-chars", "logprobs", "stop-chars"])
+def test_over_a_limit_is_invalid_argument_on_grpc_and_400_on_http_with_one_message(mesh, http, fields, body, message):
+    before = queried_tokens(mesh)
+    request = gateway_pb2.GenerateRequest(**{"prompt": "Hi", **fields})
+    with pytest.raises(grpc.RpcError) as caught:
+        list(mesh.gateway().Generate(request, metadata=GRPC_AUTH, timeout=60))
+    assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert dict(caught.value.initial_metadata())["x-request-id"].startswith("req-")
+    assert assert_error(http.post("/v1/completions", json={"prompt": "Hi", **body}), 400, "invalid_request_error",
+                        message.partition(":")[0], "invalid_request") == message
+    assert queried_tokens(mesh) == before
+    assert_served(http)
+
+
+def test_a_5_mb_stop_string_is_refused_by_both_doors_before_any_work(mesh, http):
+    before = queried_tokens(mesh)
+    request = gateway_pb2.GenerateRequest(prompt="Hi", sampling=common_pb2.SamplingParams(stop=["x" * 5_000_000]))
+    with pytest.raises(grpc.RpcError) as caught:
+        list(mesh.gateway().Generate(request, metadata=GRPC_AUTH, timeout=60))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the gateway's 4 MiB message limit
+    response = http.post("/v1/completions", json={"prompt": "Hi", "stop": ["x" * 5_000_000]})
+    assert_error(response, 413, "invalid_request_error", None, "request_too_large")
+    assert queried_tokens(mesh) == before
+    assert_served(http)
