@@ -421,9 +421,27 @@ def test_reserve_push_and_release_errors(mesh):
     too_many = (NUM_BLOCKS + 1) * BLOCK_SIZE
     with pytest.raises(grpc.RpcError) as refused:
         stub.Reserve(worker_pb2.ReserveRequest(request_id="huge", num_tokens=too_many), timeout=5)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "KV blocks" in refused.value.details()
-    assert ("retry-after", "1") in tuple(refused.value.trailing_metadata())
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"num_tokens: {too_many} tokens need more KV blocks than decode worker {mesh.decode.worker_id} has "
+        f"({NUM_BLOCKS})")
+    # What fits the worker but not its free blocks now is worth a retry.
+    stub.Reserve(worker_pb2.ReserveRequest(request_id="hog", num_tokens=NUM_BLOCKS * BLOCK_SIZE), timeout=5)
+    with pytest.raises(grpc.RpcError) as busy:
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="busy", num_tokens=BLOCK_SIZE), timeout=5)
+    assert stub.Release(worker_pb2.ReleaseRequest(request_id="hog"), timeout=5).released_blocks == NUM_BLOCKS
+    assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in busy.value.details()
+    assert ("retry-after", "1") in tuple(busy.value.trailing_metadata())
+    # A caller may not pin blocks for longer than the worker's own backstop.
+    with pytest.raises(grpc.RpcError) as pinned:
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="pinned", num_tokens=8, ttl_ms=2**31 - 1), timeout=5)
+    assert (pinned.value.code(), pinned.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "ttl_ms: must be in [0, 300000] (0: the default, 300 s), got 2147483647")
+    with pytest.raises(grpc.RpcError) as many:
+        stub.Abort(common_pb2.AbortRequest(request_ids=[f"r{i}" for i in range(1025)]), timeout=5)
+    assert (many.value.code(), many.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at most 1024 ids per Abort, got 1025; send several Aborts")
+    assert wait_idle(mesh.decode).reserved_blocks == 0
 
     reserve(mesh, "twice", [1, 2, 3])
     with pytest.raises(grpc.RpcError) as duplicate:
