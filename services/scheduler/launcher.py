@@ -57,13 +57,16 @@ class Launcher:
 
     async def reserve(self, state: RequestState, plan: RoutePlan) -> tuple[Score, list[int]] | None:
         """Reserve on the decode candidates in rank order, going on past those that refuse for lack
-        of room or cannot be reached. None when none had room (and none failed otherwise): the
-        request waits for room. Unavailable when no candidate could be reached."""
+        of room, cannot be reached, or left the registry since the plan was made. None when none
+        had room (and none failed otherwise): the request waits for room. Unavailable when no
+        candidate could be reached."""
         request = worker_pb2.ReserveRequest(request_id=state.request_id, num_tokens=state.prompt_tokens + 1)
         unreachable: Unavailable | None = None
         for score in plan.decode:
             if state.relay.closed:
                 return None
+            if not self._registry.is_live(score.worker_id):
+                continue
             worker = plan.workers[score.worker_id]
             state.holders[score.worker_id] = worker
             try:

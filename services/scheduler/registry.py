@@ -114,6 +114,10 @@ class WorkerRegistry:
         self._live = {w: records[w] for w in sorted(records) if w not in self._dropped}
         return list(self._live.values())
 
+    def is_live(self, worker_id: str) -> bool:
+        """Whether the worker was live at the last live_workers() and has not been dropped since."""
+        return worker_id in self._live
+
     def snapshot(self) -> list[WorkerRecord]:
         """The live workers as of the last live_workers() or register(), without asking the store."""
         return list(self._live.values())

@@ -1,0 +1,166 @@
+"""Frozen workers (SIGSTOP) on a real mesh: no request hangs. A request sent while a decode worker
+is frozen, or whose prefill or decode worker freezes under it, gets an answer (its tokens, or a
+status) within the heartbeat TTL plus 2 s, and once the worker is thawed (SIGCONT) the mesh serves
+the next request with exactly the tokens it gave before the freeze, and leaves nothing behind.
+
+One mesh for the module: 1 prefill and 2 decode workers, a 2 s heartbeat TTL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from tandem.testing import Endpoint, Mesh, collect, greedy_request
+from tandem.v1 import common_pb2, gateway_pb2
+from tests.waiting import DEADLINE_S, wait_until
+
+API_KEY = "faults-key"
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+TTL_S = 2.0
+ANSWER_S = TTL_S + 2.0  # the bound on a request's answer once a worker it needs froze
+CLIENT_TIMEOUT_S = 120  # far beyond ANSWER_S: the answer must not be the client's own deadline
+ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "64MiB", "TANDEM_THREADS": "1",
+       "TANDEM_HEARTBEAT_TTL": str(TTL_S)}
+PROMPT = [(i * 131) % 40000 + 200 for i in range(24)]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir) -> Iterator[Mesh]:
+    started = Mesh.start("--prefill", "1", "--decode", "2", "--model", str(default_model_dir),
+                         env=ENV, run_dir=tmp_path_factory.mktemp("faults"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as executor:
+        yield executor
+
+
+@pytest.fixture(scope="module")
+def reference(mesh) -> list[int]:
+    """The greedy tokens of the probe request on the healthy mesh, before any freeze."""
+    tokens, _ = collect(mesh.gateway().Generate(probe("reference"), metadata=AUTH, timeout=CLIENT_TIMEOUT_S))
+    assert len(tokens) == MAX_TOKENS
+    mesh.wait_idle(DEADLINE_S)
+    return tokens
+
+
+def probe(request_id: str) -> gateway_pb2.GenerateRequest:
+    request = greedy_request(PROMPT, MAX_TOKENS, request_id=request_id)
+    request.sampling.ignore_eos = True
+    return request
+
+
+def send(mesh: Mesh, pool: ThreadPoolExecutor, request: gateway_pb2.GenerateRequest) -> Future:
+    """The request's outcome, in the background: its tokens, or the grpc.RpcError it ended with."""
+    def outcome() -> list[int] | grpc.RpcError:
+        try:
+            return collect(mesh.gateway().Generate(request, metadata=AUTH, timeout=CLIENT_TIMEOUT_S))[0]
+        except grpc.RpcError as error:
+            return error
+
+    return pool.submit(outcome)
+
+
+def answer(future: Future, since: float) -> list[int] | grpc.RpcError:
+    """The outcome, which must arrive within ANSWER_S of `since` (the freeze, or the request if later)."""
+    return future.result(timeout=max(0.0, since + ANSWER_S - time.monotonic()))
+
+
+@contextmanager
+def frozen(*workers: Endpoint) -> Iterator[float]:
+    """SIGSTOP the workers (yields when), SIGCONT them on leaving, whatever happened."""
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGCONT)
+
+
+def workers(mesh: Mesh, role: int) -> list[Endpoint]:
+    return [worker(mesh, w.info.worker_id) for w in mesh.scheduler_stats().workers if w.info.role == role]
+
+
+def worker(mesh: Mesh, worker_id: str) -> Endpoint:
+    address = next(w.info.address for w in mesh.scheduler_stats().workers if w.info.worker_id == worker_id)
+    return next(ep for ep in mesh.endpoints if ep.kind == "grpc" and ep.address == address)
+
+
+def first_ranked_decode(mesh: Mesh) -> str:
+    """The decode worker an idle mesh routes to first: the most free blocks, then the lowest id."""
+    decode = [w for w in mesh.scheduler_stats().workers if w.info.role == common_pb2.WORKER_ROLE_DECODE]
+    return min(decode, key=lambda w: (-w.load.free_blocks, w.info.worker_id)).info.worker_id
+
+
+def route_of(mesh: Mesh, request_id: str):
+    return next(r for r in mesh.scheduler_stats().recent_routes if r.request_id == request_id)
+
+
+def serves_again(mesh: Mesh, reference: list[int], request_id: str) -> None:
+    """Once every worker is registered again, the probe gets its reference tokens and the mesh goes idle."""
+    wait_until(lambda: len(mesh.scheduler_stats().workers) == 3, "the thawed workers to register again")
+    tokens, _ = collect(mesh.gateway().Generate(probe(request_id), metadata=AUTH, timeout=CLIENT_TIMEOUT_S))
+    assert tokens == reference
+    mesh.wait_idle(DEADLINE_S)
+
+
+def assert_unavailable(outcome: list[int] | grpc.RpcError, request_id: str) -> None:
+    assert isinstance(outcome, grpc.RpcError), f"expected UNAVAILABLE, got tokens {outcome}"
+    assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome
+    assert request_id in outcome.details() and "127.0.0.1" not in outcome.details()
+
+
+def test_a_request_sent_while_its_decode_worker_is_frozen_moves_on_to_the_other(mesh, pool, reference):
+    first = first_ranked_decode(mesh)
+    with frozen(worker(mesh, first)) as since:
+        outcome = answer(send(mesh, pool, probe("during-decode-freeze")), since)
+    assert outcome == reference
+    route = route_of(mesh, "during-decode-freeze")
+    assert route.decode_scores[0].worker_id == first and route.decode_worker_id != first
+    serves_again(mesh, reference, "after-decode-freeze")
+
+
+def test_a_request_sent_while_every_decode_worker_is_frozen_is_unavailable(mesh, pool, reference):
+    decode = workers(mesh, common_pb2.WORKER_ROLE_DECODE)
+    assert len(decode) == 2
+    with frozen(*decode) as since:
+        outcome = answer(send(mesh, pool, probe("during-full-freeze")), since)
+    assert_unavailable(outcome, "during-full-freeze")
+    serves_again(mesh, reference, "after-full-freeze")
+
+
+def test_a_request_whose_prefill_worker_freezes_is_unavailable(mesh, pool, reference):
+    (prefill,) = workers(mesh, common_pb2.WORKER_ROLE_PREFILL)
+    with frozen(prefill) as since:
+        outcome = answer(send(mesh, pool, probe("during-prefill-freeze")), since)
+    assert_unavailable(outcome, "during-prefill-freeze")
+    serves_again(mesh, reference, "after-prefill-freeze")
+
+
+def test_a_request_whose_decode_worker_freezes_mid_stream_is_unavailable(mesh, reference):
+    request = greedy_request(PROMPT[:20], 400, request_id="mid-stream")
+    request.sampling.ignore_eos = True
+    call = mesh.gateway().Generate(request, metadata=AUTH, timeout=CLIENT_TIMEOUT_S)
+    next(call)
+    next(call)  # a token from the decode worker
+    with frozen(worker(mesh, route_of(mesh, "mid-stream").decode_worker_id)) as since:
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in call:
+                pass
+        answered_at = time.monotonic()
+    assert answered_at < since + ANSWER_S, "no status within the heartbeat TTL + 2 s"
+    assert_unavailable(error.value, "mid-stream")
+    serves_again(mesh, reference, "after-mid-stream-freeze")
