@@ -1,7 +1,7 @@
 """`tandem up`: the whole system on this machine. Starts Redis (when redis-server is installed, else
 the scheduler's embedded store), the scheduler, the workers and the gateway as child processes,
-waits until each answers, prints one line per endpoint and then `ready`, and stops them all on
-Ctrl-C or SIGTERM.
+waits until each answers, prints one line per endpoint and then `ready`, restarts any that exits
+(tandem/supervisor.py says how), and stops them all on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from urllib.parse import quote, urlsplit
 import grpc
 
 from tandem.paths import run_dir
-from tandem.supervisor import Child, Interrupted, StartFailed, stop_all, wait_ready
+from tandem.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # `tandem up` settles these for its children: they get the token itself, never a file or "insecure".
 _AUTH_VARIABLES = ("TANDEM_INTERNAL_TOKEN", "TANDEM_INTERNAL_TOKEN_FILE", "TANDEM_INSECURE_INTERNAL")
 WORKER_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
-_WATCH_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +47,7 @@ class UpConfig:
     device: str  # "auto": one GPU per worker round-robin when there are GPUs, else cpu
     start_timeout: float
     stop_grace: float
+    max_restarts: int  # restarts of one service in a row before giving up (see RestartPolicy)
     internal_token_file: Path | None  # None: TANDEM_INTERNAL_TOKEN, else a random token for this run
 
     @property
@@ -97,6 +97,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker device: cpu, cuda:N, or auto (a GPU each, round-robin, when there are GPUs)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for each stage")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds each stage gets to stop")
+    policy = RestartPolicy()
+    parser.add_argument("--max-restarts", type=_non_negative, default=policy.max_restarts,
+                        help="a service that exits is restarted with backoff; after this many restarts in a row "
+                             f"(each exiting within {policy.stable_s:.0f} s of its start) everything stops; "
+                             f"0: never restart (default {policy.max_restarts})")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _count(text: str) -> int:
@@ -174,7 +186,6 @@ class LocalSystem:
         # Secrets go to the children by environment, which `ps` does not show (argv it does).
         inherited = {k: v for k, v in os.environ.items() if k not in _AUTH_VARIABLES}
         self._env = {**inherited, "PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": token}
-        self._reported: set[str] = set()
 
     def start(self, stop: threading.Event) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -185,17 +196,10 @@ class LocalSystem:
         self._start_gateway(scheduler, stop)
 
     def watch(self, stop: threading.Event) -> int:
-        """Until Ctrl-C/SIGTERM (0) or the death of the gateway or the scheduler (1). A worker or
-        Redis may die (a test may kill one): it is reported and the rest keeps serving."""
-        while not stop.wait(_WATCH_S):
-            for child in (c for tier in self.tiers for c in tier if c.name not in self._reported):
-                if child.exit_code() is None:
-                    continue
-                self._reported.add(child.name)
-                print(f"tandem up: {child.died_message()}", file=sys.stderr, flush=True)
-                if child.essential:
-                    return 1
-        return 0
+        """Until Ctrl-C/SIGTERM (0), restarting any child that exits on its own, or until one fails
+        more often in a row than --max-restarts allows (1)."""
+        children = [child for tier in self.tiers for child in tier]
+        return Supervisor(children, RestartPolicy(max_restarts=self.config.max_restarts)).run(stop)
 
     def stop(self) -> None:
         stop_all(list(reversed(self.tiers)), self.config.stop_grace)
@@ -216,8 +220,7 @@ class LocalSystem:
         argv = [executable, str(self._redis_config()), "--port", str(port), "--bind", self.config.connect_host,
                 "--save", "", "--appendonly", "no", "--dir", str(self.logs)]
         host = self.config.connect_host
-        child = Child("redis", argv, self.logs / "redis.log", lambda: _redis_ping(host, port, self.token),
-                      essential=False)
+        child = Child("redis", argv, self.logs / "redis.log", lambda: _redis_ping(host, port, self.token))
         self._start_tier([child], stop)
         url = f"redis://{host}:{port}/0"
         self.endpoints.append(Endpoint("redis", "redis", url, child.pid))
@@ -254,7 +257,7 @@ class LocalSystem:
                          str(self.model_dir), "--threads", str(threads), "--device", devices[len(children)],
                          "--metrics-port", str(metrics_port)]
                 ready = _registered_and_serving(self._address(port), scheduler, self.token)
-                children.append(self._service(f"{role}-{index}", role, port, flags, ready, essential=False))
+                children.append(self._service(f"{role}-{index}", role, port, flags, ready))
                 ports.append((port, metrics_port))
         self._start_tier(children, stop)
         for child, (port, metrics_port) in zip(children, ports):
@@ -271,11 +274,11 @@ class LocalSystem:
         self.endpoints.append(Endpoint("gateway", "metrics", f"http://{self._address(http_port)}/metrics"))
 
     def _service(self, name: str, command: str, port: int, flags: list[str],
-                 ready: Callable[[], bool] | None = None, essential: bool = True) -> Child:
+                 ready: Callable[[], bool] | None = None) -> Child:
         """A `tandem <command>` child listening on port, ready (by default) when its health says SERVING."""
         argv = [sys.executable, "-m", "tandem.cli", command, "--host", self.config.host, "--port", str(port), *flags]
         address = self._address(port)
-        return Child(name, argv, self.logs / f"{name}.log", ready or (lambda: _serving(address)), essential)
+        return Child(name, argv, self.logs / f"{name}.log", ready or (lambda: _serving(address)))
 
     def _start_tier(self, children: list[Child], stop: threading.Event) -> None:
         self.tiers.append(children)
