@@ -1,22 +1,28 @@
 """`tandem up`'s supervision with stand-in services (a scheduler with a registry, workers that
-register, the real gateway): start order and output, a child dying during start, a worker dying
-after `ready`, and a clean stop with no process left. The real mesh: tests/integration/test_up.py.
+register, the real gateway): start order and output, a child dying during start, a worker killed
+after `ready` and restarted, a crash loop that makes it give up, and a clean stop with no process
+left; the restart backoff with an injected clock. The real mesh: tests/integration/test_up.py and
+tests/integration/test_self_healing.py.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
 
 from services.common.health_cli import check
+from tandem.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
 from tandem.up import Endpoint, _devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,9 +31,10 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_INIT = f"__path__ = [__path__[0], {str(REPO / 'services')!r}]\n"
 FAKE_COMMON = '''
 import asyncio, os
+from pathlib import Path
 import grpc
 from services.common.grpc_server import create_server
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 def add_arguments(parser):
     for flag in ("--host", "--port", "--advertise", "--scheduler", "--model", "--threads", "--device",
@@ -46,6 +53,11 @@ class Registry(scheduler_pb2_grpc.SchedulerServiceServicer):
 async def serve(args, role):
     if os.environ.get("FAKE_FAIL") == role:
         raise SystemExit(f"{role}: failing on purpose")
+    if os.environ.get("FAKE_CRASH_ON_RESTART") == role:
+        marker = Path(os.environ["TANDEM_RUN_DIR"]) / f"{role}.started"
+        if marker.exists():
+            raise SystemExit(f"{role}: failing on restart on purpose")
+        marker.touch()
     server = create_server(args.host, int(args.port))
     if role == "scheduler":
         server.add_service("tandem.v1.SchedulerService",
@@ -53,7 +65,9 @@ async def serve(args, role):
     await server.start()
     if role != "scheduler":
         async with grpc.aio.insecure_channel(args.scheduler) as channel:
-            info = scheduler_pb2.WorkerInfo(worker_id=args.advertise, address=args.advertise)
+            info = scheduler_pb2.WorkerInfo(worker_id=args.advertise, address=args.advertise,
+                                             role=common_pb2.WorkerRole.Value(f"WORKER_ROLE_{role.upper()}"),
+                                             model=Path(args.model).name)  # as the gateway's health expects
             await scheduler_pb2_grpc.SchedulerServiceStub(channel).RegisterWorker(
                 scheduler_pb2.RegisterWorkerRequest(worker=info))
     await server.mark_serving()
@@ -83,8 +97,9 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def start_up(fakes: Path, tmp_path: Path, *flags: str, fail: str = "") -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(fakes), "TANDEM_RUN_DIR": str(tmp_path / "run"), "FAKE_FAIL": fail}
+def start_up(fakes: Path, tmp_path: Path, *flags: str, fail: str = "", crash_on_restart: str = "") -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(fakes), "TANDEM_RUN_DIR": str(tmp_path / "run"), "FAKE_FAIL": fail,
+           "FAKE_CRASH_ON_RESTART": crash_on_restart}
     argv = [sys.executable, "-m", "tandem.cli", "up", "--grpc-port", "0", "--http-port", "0", "--model",
             str(tmp_path), *flags]
     # cwd outside the repository: `python -m` puts the cwd first on sys.path, before the stand-ins.
@@ -118,12 +133,43 @@ def test_a_child_dying_during_start_stops_the_rest_and_shows_its_log(fakes, mode
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(model_dir) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_up_prints_endpoints_survives_a_dead_worker_and_stops_cleanly(fakes, model_dir):
+def read_until_ready(up: subprocess.Popen[str]) -> list[list[str]]:
+    """The endpoint lines `tandem up` prints before `ready`, split into fields."""
+    assert up.stdout is not None
+    rows = []
+    for line in up.stdout:
+        if line == "ready\n":
+            return rows
+        rows.append(line.split())
+    _, err = up.communicate(timeout=30)
+    pytest.fail(f"tandem up exited with {up.returncode} before ready:\n{err}")
+
+
+def pump(stream: IO[str] | None) -> queue.Queue[str]:
+    """The stream's lines, as they come, on a queue (read by a daemon thread)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert stream is not None
+    threading.Thread(target=lambda: [lines.put(line.rstrip("\n")) for line in stream], daemon=True).start()
+    return lines
+
+
+def wait_line(lines: queue.Queue[str], prefix: str, seen: list[str], timeout: float = 60) -> str:
+    """The first line starting with `prefix` (every line read goes to `seen`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail(f"no line starting {prefix!r} within {timeout} s; got:\n" + "\n".join(seen))
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+
+
+def test_up_prints_endpoints_restarts_a_killed_worker_and_stops_cleanly(fakes, model_dir):
     up = start_up(fakes, model_dir, "--prefill", "2", "--redis-url", "redis://127.0.0.1:1/0")
     try:
-        assert up.stdout is not None
-        lines = [line.rstrip("\n") for line in iter(up.stdout.readline, "ready\n")]
-        rows = [line.split() for line in lines]
+        rows = read_until_ready(up)
         assert [(r[0], r[1]) for r in rows] == [
             ("redis", "redis"), ("scheduler", "grpc"), ("scheduler", "metrics"), ("prefill-0", "grpc"),
             ("prefill-0", "metrics"), ("prefill-1", "grpc"), ("prefill-1", "metrics"), ("decode-0", "grpc"),
@@ -134,16 +180,128 @@ def test_up_prints_endpoints_survives_a_dead_worker_and_stops_cleanly(fakes, mod
         children = psutil.Process(up.pid).children(recursive=True)
         assert set(pids.values()) == {child.pid for child in children}
 
+        errors, seen = pump(up.stderr), []
         os.kill(pids["decode-0"], signal.SIGKILL)
-        time.sleep(1.5)
+        assert wait_line(errors, "tandem up: decode-0 exited with status", seen) == (
+            f"tandem up: decode-0 exited with status -9 (log {model_dir / 'run' / 'decode-0.log'})")  # it logged nothing
+        assert wait_line(errors, "tandem up: restarting", seen) == (
+            "tandem up: restarting decode-0 in 0.5 s (restart 1 of at most 5 in a row)")
+        restarted = int(wait_line(errors, "tandem up: decode-0 restarted, pid ", seen).rsplit(" ", 1)[1])
+        assert wait_line(errors, "tandem up: decode-0 is ready again", seen) == (
+            f"tandem up: decode-0 is ready again (pid {restarted})")
+        decode = next(r[2] for r in rows if r[0] == "decode-0" and r[1] == "grpc")
+        assert restarted != pids["decode-0"] and check(decode) == "SERVING"
         assert up.poll() is None and check(rows[-3][2]) == "SERVING"
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert restarted in {child.pid for child in children}
         up.send_signal(signal.SIGTERM)
-        _, err = up.communicate(timeout=60)
+        assert up.wait(timeout=60) == 0
     finally:
         stop(up)
-    assert up.returncode == 0
-    assert "tandem up: decode-0 exited with status -9" in err
     assert psutil.wait_procs(children, timeout=5)[1] == []
+
+
+def test_a_crash_loop_gives_up_after_max_restarts_and_stops_everything(fakes, model_dir):
+    up = start_up(fakes, model_dir, "--max-restarts", "2", crash_on_restart="scheduler")
+    try:
+        rows = read_until_ready(up)
+        children = psutil.Process(up.pid).children(recursive=True)
+        os.kill(next(int(r[4]) for r in rows if r[:2] == ["scheduler", "grpc"]), signal.SIGKILL)
+        _, err = up.communicate(timeout=120)
+    finally:
+        stop(up)
+    assert up.returncode == 1
+    said = [line for line in err.splitlines() if line.startswith(("tandem up: scheduler", "tandem up: restarting"))]
+    assert said[0].startswith("tandem up: scheduler exited with status -9")
+    assert said[1:] == [
+        "tandem up: restarting scheduler in 0.5 s (restart 1 of at most 2 in a row)",
+        said[2],
+        said[3],
+        "tandem up: restarting scheduler in 1.0 s (restart 2 of at most 2 in a row)",
+        said[5],
+        said[6],
+        "tandem up: scheduler exited 3 time(s) in a row, each within 30 s of its start, after 2 restart(s) "
+        "(--max-restarts); giving up and stopping everything"]
+    assert said[2].startswith("tandem up: scheduler restarted, pid ")
+    assert said[3].startswith("tandem up: scheduler exited with status 1")
+    # the log tails said: after the first restart its one failure, after the second both (the log is appended)
+    assert err.count("scheduler: failing on restart on purpose") == 1 + 2
+    assert psutil.wait_procs(children, timeout=5)[1] == []
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_backoff_doubles_up_to_the_cap_then_gives_up_and_resets_after_a_stable_run():
+    clock = FakeClock()
+    backoff = Backoff(RestartPolicy(max_restarts=8, first_delay_s=0.5, max_delay_s=30.0, stable_s=30.0), clock)
+    backoff.started()
+    delays = []
+    for _ in range(9):
+        clock.now += 29.9  # each run ends just short of stable
+        delays.append(backoff.failed())
+        backoff.started()
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, None]
+
+    clock.now += 30.0  # a run of stable_s starts the count afresh
+    assert backoff.failed() == 0.5 and backoff.failures == 1
+    assert Backoff(RestartPolicy(max_restarts=0), clock).failed() is None
+    assert RestartPolicy(max_restarts=10_000).delay(10_000) == 30.0
+
+
+def test_supervisor_restarts_a_dead_child_with_the_same_command_and_environment(tmp_path):
+    clock, said = FakeClock(), []
+    script = "import os, time; print('run', os.environ['MARK'], flush=True); time.sleep(120)"
+    child = Child("svc", [sys.executable, "-c", script], tmp_path / "svc.log", ready=lambda: True)
+    child.start({**os.environ, "MARK": "m1"})
+    supervisor = Supervisor([child], RestartPolicy(max_restarts=2), clock, said.append)
+    log = tmp_path / "svc.log"
+    try:
+        pids = [child.pid]
+        for failure, delay in ((1, 0.5), (2, 1.0)):
+            clock.now += 1.0
+            wait_for(lambda: log.read_text().count("run m1") == failure)  # it runs with the environment given
+            kill_and_wait(child)
+            assert supervisor.check() and said.pop(0).startswith("svc exited with status -9 (log ")
+            assert said == [f"restarting svc in {delay} s (restart {failure} of at most 2 in a row)"]
+            clock.now += delay - 0.01
+            assert supervisor.check() and len(said) == 1 and child.exit_code() == -9  # not yet
+            clock.now += 0.01
+            assert supervisor.check()
+            pids.append(child.pid)
+            assert said[1:] == [f"svc restarted, pid {child.pid}"]
+            assert supervisor.check() and said[2:] == [f"svc is ready again (pid {child.pid})"]
+            said.clear()
+        wait_for(lambda: log.read_text().count("run m1") == 3)
+        assert log.read_text().splitlines() == [
+            "run m1", "", "--- tandem up: restarting svc after exit status -9 ---", "run m1",
+            "", "--- tandem up: restarting svc after exit status -9 ---", "run m1"]
+        assert len(set(pids)) == 3
+
+        kill_and_wait(child)
+        assert not supervisor.check()
+        assert said[1:] == ["svc exited 3 time(s) in a row, each within 30 s of its start, after 2 restart(s) "
+                            "(--max-restarts); giving up and stopping everything"]
+    finally:
+        stop_all([[child]], grace=5)
+
+
+def kill_and_wait(child: Child) -> None:
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.process is not None
+    child.process.wait(timeout=30)
+
+
+def wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def test_endpoint_line_and_devices():
