@@ -10,14 +10,16 @@ import hmac
 import inspect
 import logging
 import signal
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import DeadlineExceeded, TandemError, grpc_status
+from services.common.errors import DeadlineExceeded, InvalidRequest, TandemError, grpc_status
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,10 @@ _OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
 Behavior = Callable[..., Any]
 
 
-def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]):
-    """A copy of handler whose behaviour is wrap(behaviour, response_streaming)."""
+def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior],
+                      deserializer: Callable[[bytes], Any] | None = None):
+    """A copy of handler whose behaviour is wrap(behaviour, response_streaming) (and whose request
+    deserializer is `deserializer`, when given)."""
     kinds = (
         ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
         ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
@@ -47,7 +51,8 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, 
     for attr, factory, streaming in kinds:
         behavior = getattr(handler, attr)
         if behavior is not None:
-            return factory(wrap(behavior, streaming), handler.request_deserializer, handler.response_serializer)
+            return factory(wrap(behavior, streaming), deserializer or handler.request_deserializer,
+                           handler.response_serializer)
     raise ValueError(f"handler {handler!r} has no behaviour")
 
 
@@ -124,13 +129,47 @@ async def _abort_with(context: grpc.aio.ServicerContext, error: TandemError) -> 
     await context.abort(grpc_status(error), error.message, trailing_metadata=error.trailing_metadata())
 
 
-def _map_errors(behavior: Behavior, streaming: bool) -> Behavior:
-    """Wrap a servicer method so TandemErrors become their gRPC status (errors.STATUS_BY_ERROR)."""
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """A request message whose bytes did not parse: the call is refused with INVALID_ARGUMENT."""
+
+    problem: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The handler's deserializer, returning _Undecodable instead of raising: grpc answers a
+    deserializer's exception with UNKNOWN, a server fault, where the client sent bad bytes."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc))
+
+    return deserialize
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidRequest("request", f"{request.problem}; send a serialized message of the method's request type")
+    return request
+
+
+async def _each_decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request)
+
+
+def _map_errors(behavior: Behavior, streaming: bool, requests: Callable[[Any], Any] = _decoded) -> Behavior:
+    """Wrap a servicer method so TandemErrors become their gRPC status (errors.STATUS_BY_ERROR);
+    `requests` checks the request (or the stream of them) before the method sees it."""
     if not streaming:
 
         async def unary_response(request, context):
             try:
-                result = behavior(request, context)
+                result = behavior(requests(request), context)
                 return await result if inspect.isawaitable(result) else result
             except TandemError as error:
                 await _abort_with(context, error)
@@ -139,7 +178,7 @@ def _map_errors(behavior: Behavior, streaming: bool) -> Behavior:
 
     async def stream_response(request, context):
         try:
-            result = behavior(request, context)
+            result = behavior(requests(request), context)
             if inspect.isawaitable(result):  # a servicer that writes with context.write()
                 await result
                 return
@@ -152,11 +191,16 @@ def _map_errors(behavior: Behavior, streaming: bool) -> Behavior:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain exceptions (services.common.errors) to status codes, for every handler kind."""
+    """Maps domain exceptions (services.common.errors) to status codes, for every handler kind, and
+    refuses request bytes that do not parse with INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        return None if handler is None else _replace_behavior(handler, _map_errors)
+        if handler is None:
+            return None
+        requests = _each_decoded if handler.request_streaming else _decoded
+        return _replace_behavior(handler, lambda behavior, streaming: _map_errors(behavior, streaming, requests),
+                                 _tolerant(handler.request_deserializer))
 
 
 class GrpcServer:

@@ -201,6 +201,23 @@ async def test_client_streaming_errors_are_mapped(channel: grpc.aio.Channel) -> 
         grpc.StatusCode.INVALID_ARGUMENT, "worker_id: required on every batch")
 
 
+UNDECODABLE = (grpc.StatusCode.INVALID_ARGUMENT, "request: Error parsing message with type '{}': Wire format "
+               "was corrupt; send a serialized message of the method's request type")
+
+
+async def test_bytes_that_do_not_parse_are_invalid_argument(channel: grpc.aio.Channel) -> None:
+    generate = channel.unary_stream(f"/{GENERATE}/Generate")  # no serializer: the bytes go as they are
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [message async for message in generate(b"\x00")]
+    assert (caught.value.code(), caught.value.details()) == (
+        UNDECODABLE[0], UNDECODABLE[1].format("tandem.v1.GenerateRequest"))
+    report = channel.stream_unary(f"/{SCHEDULER}/ReportTokens")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await report(iter([scheduler_pb2.TokenBatch(worker_id="w").SerializeToString(), b"\x00"]))
+    assert (caught.value.code(), caught.value.details()) == (
+        UNDECODABLE[0], UNDECODABLE[1].format("tandem.v1.TokenBatch"))
+
+
 async def test_deadline_and_trace_context_are_passed_on(channel: grpc.aio.Channel) -> None:
     stub = gateway_pb2_grpc.GenerateServiceStub(channel)
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
