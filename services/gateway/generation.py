@@ -127,7 +127,7 @@ class Generation:
     def _failed(self, error: TandemError) -> TandemError:
         """The client's error for an upstream failure; the upstream's words go to the log and span."""
         detail = f"{type(error).__name__}: {error.message}"
-        log.warning("request %s failed: %s", self.request_id, detail)
+        log.info("request %s failed: %s", self.request_id, detail)  # info: a full queue refuses many at once
         self._span.set_status(trace.StatusCode.ERROR, detail)
         return for_client(error, self.request_id)
 
