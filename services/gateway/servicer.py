@@ -76,9 +76,9 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        timeout = remaining_timeout(context, default=self._default_timeout)
         request_id = request.request_id or new_request_id()
         try:
+            timeout = remaining_timeout(context, default=self._default_timeout)
             check_repeated_sizes(len(request.messages), len(request.token_ids), self._pipeline.model,
                                  self._pipeline.limits)
             domain = request_from_proto(request, self._default_salt(context))
