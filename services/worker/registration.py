@@ -89,14 +89,25 @@ class Registration:
                 await self._stub.DeregisterWorker(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 log.warning("could not deregister %s: %s", self.worker_id, error.code().name)
+            else:
+                log.info("deregistered %s from the scheduler", self.worker_id)
 
     async def _heartbeats(self) -> None:
+        """Every interval until stopped; a scheduler away (restarting) is said once, and again when it is back."""
+        failing = False
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.heartbeat()
             except grpc.aio.AioRpcError as error:
-                log.warning("heartbeat failed: %s: %s", error.code().name, error.details())
+                if not failing:
+                    log.warning("heartbeat failed (%s: %s); retrying every %.2f s", error.code().name,
+                                error.details(), self.interval_s)
+                failing = True
+                continue
+            if failing:
+                log.info("heartbeats reach the scheduler again")
+            failing = False
 
     async def heartbeat(self) -> bool:
         """One heartbeat; registers again (and runs on_reregistered) when the scheduler forgot us."""
