@@ -1,9 +1,10 @@
-"""Frozen workers (SIGSTOP) on a real mesh: no request hangs. A request sent while a decode worker
-is frozen, or whose prefill or decode worker freezes under it, gets an answer (its tokens, or a
-status) within the heartbeat TTL plus 2 s, and once the worker is thawed (SIGCONT) the mesh serves
-the next request with exactly the tokens it gave before the freeze, and leaves nothing behind.
+"""Faults on a real mesh. Frozen workers (SIGSTOP): no request hangs. A request sent while a decode
+worker is frozen, or whose prefill or decode worker freezes under it, gets an answer (its tokens,
+or a status) within the heartbeat TTL plus 2 s, and once the worker is thawed (SIGCONT) the mesh
+serves the next request with exactly the tokens it gave before the freeze, and leaves nothing
+behind. Full decode memory: requests wait in the queue for room, none is refused.
 
-One mesh for the module: 1 prefill and 2 decode workers, a 2 s heartbeat TTL.
+One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 2 s heartbeat TTL.
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 TTL_S = 2.0
 ANSWER_S = TTL_S + 2.0  # the bound on a request's answer once a worker it needs froze
 CLIENT_TIMEOUT_S = 120  # far beyond ANSWER_S: the answer must not be the client's own deadline
-ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "64MiB", "TANDEM_THREADS": "1",
+ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "40MiB", "TANDEM_THREADS": "1",
        "TANDEM_HEARTBEAT_TTL": str(TTL_S)}
-PROMPT = [(i * 131) % 40000 + 200 for i in range(24)]
 MAX_TOKENS = 6
+BLOCK = 16
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 131) % 40000 + 200 for i in range(length)]
+
+
+PROMPT = prompt_of(24)
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +172,33 @@ def test_a_request_whose_decode_worker_freezes_mid_stream_is_unavailable(mesh, r
     assert answered_at < since + ANSWER_S, "no status within the heartbeat TTL + 2 s"
     assert_unavailable(error.value, "mid-stream")
     serves_again(mesh, reference, "after-mid-stream-freeze")
+
+
+def long_request(prompt: list[int], request_id: str) -> gateway_pb2.GenerateRequest:
+    request = greedy_request(prompt, 16, request_id=request_id)
+    request.sampling.ignore_eos = True
+    return request
+
+
+def test_requests_beyond_the_decode_memory_wait_for_room_and_none_is_refused(mesh, reference):
+    prompts = [prompt_of(150, seed) for seed in (11, 12, 13)]
+    decode_blocks = sum(w.info.num_blocks for w in mesh.scheduler_stats().workers
+                        if w.info.role == common_pb2.WORKER_ROLE_DECODE)
+    assert 21 * -(-151 // BLOCK) > decode_blocks  # their prompts alone overflow the decode workers
+    references = [collect(mesh.gateway().Generate(long_request(p, f"crowd-ref-{n}"), metadata=AUTH,
+                                                  timeout=CLIENT_TIMEOUT_S))[0] for n, p in enumerate(prompts)]
+    rejected = mesh.scheduler_stats().rejected
+
+    def outcome(i: int) -> list[int] | str:
+        try:
+            call = mesh.gateway().Generate(long_request(prompts[i % 3], f"crowd-{i}"), metadata=AUTH,
+                                           timeout=CLIENT_TIMEOUT_S)
+            return collect(call)[0]
+        except grpc.RpcError as error:
+            return error.code().name
+
+    with ThreadPoolExecutor(21) as crowd:
+        outcomes = list(crowd.map(outcome, range(21)))
+    assert outcomes == [references[i % 3] for i in range(21)]
+    assert mesh.scheduler_stats().rejected == rejected
+    mesh.wait_idle(DEADLINE_S)
