@@ -346,9 +346,10 @@ class Dispatcher:
                 log.exception("checking the workers' heartbeats failed")
 
     async def _forget(self, worker_id: str, address: str | None) -> None:
-        await self.registry.unregister(worker_id)
+        """Close the channel first: it cuts the calls still waiting on the worker at once."""
         if address is not None:
             await self.clients.forget(address)
+        await self.registry.unregister(worker_id)
 
     def _capacity(self) -> int:
         """Requests that may run at once: max_running per decode worker (colocated ones, when any)."""

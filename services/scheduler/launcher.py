@@ -6,9 +6,9 @@ transfer and repeats token 0. Colocated: Run. Every call carries the request's r
 its trace context and the internal token. A Reserve or Run still in flight when the request is
 cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
 
-Every call is bounded: Reserve, Run and Release by the control timeout (the heartbeat TTL: a worker
-that cannot answer within it would be declared lost anyway), Prefill by the request's deadline,
-Abort by ABORT_TIMEOUT_S. A call whose channel is closed under it (its worker was lost) fails as
+Every call is bounded: Reserve, Run, Release and Abort by the control timeout (the heartbeat TTL:
+a worker that cannot answer within it would be declared lost anyway), Prefill by the request's
+deadline. A call whose channel is closed under it (its worker was lost) fails as
 UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status.
 """
 
@@ -34,7 +34,6 @@ from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 2.0
 PREFILL_TIMEOUT_S = 600.0  # a Prefill without a deadline: queue, compute and KV transfer
 # A worker that refused a Reserve holds nothing; after any other failure it may hold a reservation.
 _REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
@@ -45,7 +44,7 @@ Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
 
 class Launcher:
     """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
-    quick calls (Reserve, Run, Release); a decode worker that refuses a Reserve is marked full in
+    quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked full in
     `registry` until it reports again."""
 
     def __init__(self, clients: WorkerClients, spawn: Spawn, registry: WorkerRegistry,
@@ -163,7 +162,7 @@ class Launcher:
         request = common_pb2.AbortRequest(request_ids=[state.request_id], reason=reason)
         metadata = self._metadata(state)
         await asyncio.gather(*(
-            _quietly(self._stub(worker).Abort(request, timeout=ABORT_TIMEOUT_S, metadata=metadata),
+            _quietly(self._stub(worker).Abort(request, timeout=self._control_timeout, metadata=metadata),
                      f"Abort of {state.request_id} on {worker_id}")
             for worker_id, worker in list(state.holders.items())))
 

@@ -467,6 +467,19 @@ async def test_a_worker_error_event_becomes_the_submit_status_with_its_detail_on
              "exception.message": "worker d-0 failed the request: FAILED_PRECONDITION: bad KV"}]
 
 
+async def test_a_cancelled_error_the_request_did_not_ask_for_is_unavailable(monkeypatch) -> None:
+    async def cut(*args):
+        raise asyncio.CancelledError  # as an awaited call whose channel closed under it raises
+
+    monkeypatch.setattr(dispatcher_module, "plan_route", cut)
+    async with scheduler("p-0", "d-0") as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [e async for e in mesh.submit("r1")]
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "request r1: a call it needed was cut; retry the request"
+        assert (await mesh.idle()).failed == 1
+
+
 async def test_an_unexpected_exception_is_internal_with_a_stable_message(monkeypatch) -> None:
     async def broken(*args):
         raise RuntimeError("store answered garbage at 10.0.0.7:6379")
