@@ -1,8 +1,10 @@
 """The worker's one long-lived ReportTokens stream to the scheduler, fed by a queue of TokenBatches.
 
-One TokenBatch per engine iteration goes on the stream. When the stream breaks the scheduler has
-failed this worker's requests, so the queued batches are dropped, `on_lost` lets the worker abort
-what it still runs, and the reporter reconnects with exponential backoff.
+One TokenBatch per engine iteration goes on the stream. When an open stream breaks the scheduler
+has failed this worker's requests, so the queued batches are dropped, `on_lost` lets the worker
+abort what it still runs, and the reporter reconnects with exponential backoff. An attempt that
+never connected (the scheduler is restarting) fails nothing: what is queued waits for the next
+stream, since a restarted scheduler may route requests here before the stream is back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.1
-_BACKOFF_MAX_S = 2.0
+_BACKOFF_MAX_S = 1.0  # as often as the channel itself retries (transport.CHANNEL_OPTIONS)
 
 
 class TokenReporter:
@@ -44,6 +46,7 @@ class TokenReporter:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.connected = asyncio.Event()
+        self._was_lost = False
         self.batches_sent = 0
 
     def start(self) -> None:
@@ -82,13 +85,19 @@ class TokenReporter:
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _stream_once(self) -> None:
-        self.announce()
+        self.connected.clear()
         call = self._stub.ReportTokens(self._requests(), metadata=self._metadata)
+        await call.wait_for_connection()
+        if self._was_lost:
+            log.info("ReportTokens stream to the scheduler open again")
+        self._was_lost = False
+        self.connected.set()
         ack = await call
         log.debug("ReportTokens stream closed after %d batches", ack.batches)
 
     async def _requests(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:
-        self.connected.set()
+        yield scheduler_pb2.TokenBatch(worker_id=self._worker_id)  # names the stream at once
+        await self.connected.wait()  # a call that fails to connect must take nothing off the queue
         while True:
             batch = await self._queue.get()
             if batch is None:
@@ -97,14 +106,15 @@ class TokenReporter:
             self.batches_sent += 1
 
     def _lost(self, reason: str) -> None:
-        was_connected = self.connected.is_set()
+        if not self.connected.is_set():
+            return  # never connected: no scheduler failed anything, the queue waits for the next stream
         self.connected.clear()
+        self._was_lost = True
         dropped = self._queue.qsize()
         self._queue = asyncio.Queue()
         if self._closing:
             return
-        if was_connected:
-            log.warning("ReportTokens stream to the scheduler broke (%s); %d batch(es) dropped, reconnecting",
-                        reason, dropped)
+        log.warning("ReportTokens stream to the scheduler broke (%s); %d batch(es) dropped, reconnecting",
+                    reason, dropped)
         if self._on_lost is not None:
             self._on_lost()

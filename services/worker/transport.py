@@ -11,6 +11,10 @@ from services.common.grpc_server import INTERNAL_TOKEN_KEY, MAX_MESSAGE_BYTES
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted peer (the scheduler, a decode worker) is back on its address within seconds: try
+    # to reconnect at least every second, not after gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 

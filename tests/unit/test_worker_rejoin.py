@@ -1,0 +1,110 @@
+"""A worker's membership across a scheduler restart: the worker's own Registration and
+TokenReporter against a real scheduler servicer that is stopped and started again on the same port
+with a fresh embedded store (as `tandem up` restarts a killed scheduler). Nothing but the restart
+happens: the worker notices, registers again, reopens its token stream, and keeps its identity;
+tokens produced while no stream was open wait for the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.grpc_server import create_server
+from services.common.store import EmbeddedStore
+from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
+from services.scheduler.worker_clients import WorkerClients
+from services.worker.registration import Registration
+from services.worker.reporter import TokenReporter
+from services.worker.transport import internal_metadata, open_channel
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.streams import TokenStreams
+from tests.redis_fixture import free_port
+from tests.waiting import eventually
+
+TOKEN = "s3cret"
+TTL_S = 1.0
+WORKER = scheduler_pb2.WorkerInfo(worker_id="decode-w", role=common_pb2.WORKER_ROLE_DECODE, address="127.0.0.1:1",
+                                  model="smol", num_blocks=64, block_size=16)
+TOKEN_EVENT = scheduler_pb2.TokenEvent(request_id="r-1", output_offset=0, token_ids=[7])
+
+
+@dataclass(slots=True)
+class Scheduler:
+    """One life of the scheduler on `port`: its own registry, store and token streams."""
+
+    name: str
+    dispatcher: Dispatcher
+    server: object
+
+    @classmethod
+    async def start(cls, port: int, name: str) -> Scheduler:
+        dispatcher = Dispatcher(WorkerRegistry(EmbeddedStore(), TTL_S), WorkerClients(TOKEN), max_queue=4,
+                                max_running=4)
+        server = create_server("127.0.0.1", port, internal_token=TOKEN)
+        server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                           SchedulerServicer(dispatcher, scheduler_id=name))
+        await server.start()
+        await server.mark_serving()
+        return cls(name, dispatcher, server)
+
+    async def stop(self) -> None:
+        """As SIGKILL looks to the worker: every connection drops at once."""
+        await self.server.stop(0)
+        await self.dispatcher.close()
+
+    async def workers(self) -> list[str]:
+        return [record.info.worker_id for record in await self.dispatcher.registry.live_workers()]
+
+
+async def test_a_worker_rejoins_a_restarted_scheduler_and_reopens_its_token_stream():
+    port = free_port()
+    first = await Scheduler.start(port, "first")
+    channel = open_channel(f"127.0.0.1:{port}")
+    metadata = internal_metadata(TOKEN)
+    taken_back: list[str] = []
+    lost: list[int] = []
+
+    async def on_reregistered(response: scheduler_pb2.RegisterWorkerResponse) -> None:
+        taken_back.append(response.scheduler_id)
+
+    registration = Registration(channel, WORKER, lambda: scheduler_pb2.WorkerLoad(free_blocks=64), metadata,
+                                on_reregistered)
+    reporter = TokenReporter(channel, WORKER.worker_id, metadata, on_lost=lambda: lost.append(1))
+    second = None
+    try:
+        assert (await registration.register()).scheduler_id == "first"
+        reporter.start()
+        registration.start_heartbeats()
+        await eventually(lambda: first.dispatcher.streams.is_open("decode-w"), "the token stream at the first")
+        assert await first.workers() == ["decode-w"]
+
+        await first.stop()
+        await eventually(lambda: lost, "the reporter noticing its stream broke")
+        # down a while, as a restart takes: the channel's reconnection attempts fail
+        await eventually(lambda: channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                         "the worker's channel failing to reconnect")
+        reporter.send(scheduler_pb2.TokenBatch(events=[TOKEN_EVENT]))  # routed here by the next scheduler, early
+        second = await Scheduler.start(port, "second")
+        batches: list[scheduler_pb2.TokenBatch] = []
+        second.dispatcher.streams = TokenStreams(lambda _, batch: batches.append(batch),
+                                                 second.dispatcher.worker_lost)
+        await eventually(lambda: taken_back, "the worker registering again with the second scheduler")
+        await eventually(lambda: second.dispatcher.streams.is_open("decode-w"), "the token stream at the second")
+        assert taken_back == ["second"] and lost == [1]  # one break; the failed attempts after it fail nothing
+        await eventually(lambda: any(b.events for b in batches), "the early tokens reaching the second scheduler")
+        assert [list(b.events) for b in batches if b.events] == [[TOKEN_EVENT]]
+        assert registration.response.scheduler_id == "second"
+        assert await second.workers() == ["decode-w"]
+        assert await registration.heartbeat()  # known again: no further re-registration
+        await registration.stop(deregister=True)
+        assert await second.workers() == []  # the deregistration reached the second scheduler
+    finally:
+        await registration.stop(deregister=False)
+        await reporter.stop()
+        await channel.close()
+        if second is not None:
+            await second.stop()
