@@ -44,8 +44,8 @@ Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
 
 class Launcher:
     """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
-    quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked full in
-    `registry` until it reports again."""
+    quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked
+    full in `registry` until it reports again."""
 
     def __init__(self, clients: WorkerClients, spawn: Spawn, registry: WorkerRegistry,
                  control_timeout: float) -> None:
@@ -57,10 +57,11 @@ class Launcher:
     async def reserve(self, state: RequestState, plan: RoutePlan) -> tuple[Score, list[int]] | None:
         """Reserve on the decode candidates in rank order, going on past those that refuse for lack
         of room, cannot be reached, or left the registry since the plan was made. None when none
-        had room (and none failed otherwise): the request waits for room. Unavailable when no
-        candidate could be reached."""
+        took it but one may make room: the request waits. Unavailable when every candidate tried
+        was unreachable."""
         request = worker_pb2.ReserveRequest(request_id=state.request_id, num_tokens=state.prompt_tokens + 1)
         unreachable: Unavailable | None = None
+        short = False
         for score in plan.decode:
             if state.relay.closed:
                 return None
@@ -76,6 +77,7 @@ class Launcher:
                     state.holders.pop(score.worker_id, None)
                 if isinstance(error, Overloaded):
                     self._registry.mark_full(score.worker_id)
+                    short = True
                 elif isinstance(error, Unavailable):
                     unreachable = error
                 else:
@@ -85,7 +87,7 @@ class Launcher:
             state.reserved_blocks = len(response.block_ids)
             state.reserved_at = time.monotonic()
             return score, list(response.block_ids)
-        if unreachable is not None:
+        if unreachable is not None and not short:
             raise unreachable
         return None
 
