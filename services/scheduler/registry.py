@@ -7,7 +7,9 @@ StoreUnavailable the registry routes from it, without prefix hits, and is `degra
 store alone for STORE_RETRY_S (a hung Redis would cost its timeout on every request) and recovers
 at the first store call that succeeds after. A store that comes back empty (Redis restarted) is
 refilled from the mirror at each worker's next heartbeat, so no worker is told to register again,
-which would make it drop its running requests. Block reports made while the store is down are lost.
+which would make it drop its running requests. A restarted scheduler finds the workers in the store
+and fills its mirror from the store's record at each one's first heartbeat, so it routes them
+through a later outage of the store too. Block reports made while the store is down are lost.
 
 A decode worker that refused a Reserve for lack of blocks counts as full (no free blocks) until it
 reports its load again: its last report was too hopeful, and routing waits for a fresh one.
@@ -65,6 +67,8 @@ class WorkerRegistry:
         if worker_id in self._dropped:
             return False
         ok, known = await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
+        if ok and known and seen is None:
+            seen = await self._adopt(worker_id)
         if not (ok and known):  # the store is down or lost it: the local mirror decides (and refills it)
             known = seen is not None
             if known and ok:
@@ -76,6 +80,15 @@ class WorkerRegistry:
             if worker_id in self._live:
                 self._live[worker_id] = seen.record
         return bool(known)
+
+    async def _adopt(self, worker_id: str) -> _Seen | None:
+        """The mirror entry of a worker the store knows and this scheduler did not (it restarted)."""
+        ok, listed = await self._store_call(self.store.list_workers)
+        record = next((r for r in listed or () if r.info.worker_id == worker_id), None) if ok else None
+        if record is None:
+            return None
+        seen = self._seen[worker_id] = _Seen(record, self._clock())
+        return seen
 
     def forget(self, worker_id: str) -> None:
         """Stop routing to a worker (deregistered, lost) until it registers again. Call unregister()

@@ -94,3 +94,17 @@ async def test_a_store_that_comes_back_empty_is_refilled_without_reregistration(
     assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=9)) is True
     records = await registry.store.list_workers()
     assert [(r.info.worker_id, r.load.free_blocks) for r in records] == [("d-0", 9)]
+
+
+async def test_a_restarted_scheduler_adopts_the_stores_workers_at_their_heartbeats_and_keeps_them_through_an_outage():
+    clock, store, before = setup()
+    await before.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    await before.register(info("p-0"), WorkerLoad())
+    registry = WorkerRegistry(store, TTL, clock)  # the scheduler restarted; the store kept its workers
+    assert await ids(registry) == ["d-0", "p-0"]
+    assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=7)) is True  # known: no re-registration
+    assert registry.last_seen("d-0") == clock.now and registry.last_seen("p-0") is None
+
+    store.down = True
+    records = await registry.live_workers()  # p-0 never heartbeated here: only the store knew it
+    assert [(r.info.worker_id, r.info.role, r.load.free_blocks) for r in records] == [("d-0", WorkerRole.DECODE, 7)]
