@@ -12,10 +12,10 @@ as used; cost = -free_blocks. A worker with fewer free blocks than the request n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.common.blocks import ceil_div
 from tandem.v1 import scheduler_pb2
 
 
@@ -58,7 +58,7 @@ def prefill_cost(prompt_tokens: int, cached: int, queued_prefill_tokens: int) ->
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
+    return ceil_div(num_tokens, block_size)
 
 
 def rank_prefill(candidates: Iterable[Candidate], prompt_tokens: int, use_prefix: bool = True) -> list[Score]:
