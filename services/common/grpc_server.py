@@ -219,10 +219,6 @@ class GrpcServer:
         register(servicer, self.server)
         self._services.append(name)
 
-    @property
-    def service_names(self) -> tuple[str, ...]:
-        return tuple(self._services)
-
     async def start(self) -> None:
         """Start serving; health reports NOT_SERVING for the server and each service until mark_serving()."""
         for name in ("", *self._services):

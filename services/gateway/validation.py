@@ -14,7 +14,6 @@ from services.common.errors import InvalidRequest, NotFound
 from services.gateway.limits import RequestLimits
 from services.gateway.request import GenerationRequest, ServedModel, new_request_id
 
-PROMPT_FIELDS = ("prompt", "token_ids", "messages")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
