@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from services.common.blocks import ceil_div
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -150,7 +151,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         if not request.decode_block_ids:
             return
         block_size = self.runtime.engine.blocks.block_size
-        needed = -(-len(request.token_ids) // block_size)
+        needed = self.runtime.engine.blocks_for_tokens(len(request.token_ids))
         if len(request.decode_block_ids) < needed:
             raise FailedPrecondition(
                 f"decode_block_ids: {len(request.decode_block_ids)} block(s) reserved, but the prompt's "
@@ -201,7 +202,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
 
     def _header(self, request, job: PrefillJob, output: RequestOutput, max_bytes: int) -> kv_transfer_pb2.KvRequestHeader:
         engine = self.runtime.engine
-        num_blocks = -(-len(request.token_ids) // engine.blocks.block_size)
+        num_blocks = engine.blocks_for_tokens(len(request.token_ids))
         per_chunk = blocks_per_chunk(engine.cache, max_bytes)
         return kv_transfer_pb2.KvRequestHeader(
             prompt_token_ids=request.token_ids,
@@ -209,7 +210,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             sampling=request.sampling,
             seed=request.seed,
             cache_salt=request.cache_salt,
-            num_chunks=engine.cache.num_layers * -(-num_blocks // per_chunk),
+            num_chunks=engine.cache.num_layers * ceil_div(num_blocks, per_chunk),
             cached_tokens=output.num_cached_tokens,
             timings=job.tracked.timings,
         )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.block_hash import hash_chain
+from services.common.blocks import ceil_div
 from services.runtime.block_manager import BlockManager
 from services.runtime.sequence import Sequence, SequenceStatus
 
@@ -135,8 +136,7 @@ class IterationScheduler:
         return hits
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        size = self.blocks.block_size
-        total = -(-(seq.num_computed_tokens + num_new) // size)
+        total = ceil_div(seq.num_computed_tokens + num_new, self.blocks.block_size)
         return max(0, total - len(seq.block_table))
 
     def preempt(self, seq: Sequence) -> None:

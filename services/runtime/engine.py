@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from services.common.block_hash import hash_next_block
+from services.common.blocks import ceil_div
 from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
 from services.runtime.block_manager import BlockManager
@@ -139,9 +140,6 @@ class Engine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # -- the iteration ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -265,7 +263,7 @@ class Engine:
     # -- disaggregation: the decode side ----------------------------------------------------
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.blocks.block_size)
+        return ceil_div(num_tokens, self.blocks.block_size)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Allocates the blocks for a request's `num_tokens` tokens (imported KV plus the last sampled token)."""

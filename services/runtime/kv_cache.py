@@ -31,6 +31,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.block_bytes = kv_block_bytes(config, block_size, dtype)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self._initialized = [False] * num_blocks
@@ -38,8 +39,7 @@ class PagedKVCache:
     @staticmethod
     def blocks_for_budget(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
         """How many blocks fit in `memory_bytes` of KV memory."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        block_bytes = config.kv_bytes_per_token(itemsize) * block_size
+        block_bytes = kv_block_bytes(config, block_size, dtype)
         blocks = memory_bytes // block_bytes
         if blocks < 1:
             raise ValueError(
@@ -50,6 +50,11 @@ class PagedKVCache:
     @property
     def num_layers(self) -> int:
         return self.k.shape[0]
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """K and V of one block of one layer: the unit a KV chunk is cut in."""
+        return self.block_bytes // self.num_layers
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -70,3 +75,8 @@ class PagedKVCache:
         self.v[:, index] = 0
         for b in fresh:
             self._initialized[b] = True
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of one block across all layers."""
+    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size

@@ -39,7 +39,7 @@ class KvChunk:
 
 
 def blocks_per_chunk(cache: PagedKVCache, max_chunk_bytes: int) -> int:
-    block_bytes = 2 * int(np.prod(cache.block_shape)) * cache.k.element_size()
+    block_bytes = cache.layer_block_bytes
     if block_bytes > max_chunk_bytes:
         raise ValueError(f"one block of one layer is {block_bytes} bytes; max_chunk_bytes {max_chunk_bytes} is too small")
     return max_chunk_bytes // block_bytes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from services.common.blocks import ceil_div
 from services.runtime.attention import BatchMetadata, PrefillSegment
 from services.runtime.batch_scheduler import ScheduledChunk
 from services.runtime.kv_cache import PagedKVCache
@@ -47,11 +48,12 @@ class ModelRunner:
             slots.extend(seq.block_table[p // size] * size + p % size for p in range(start, end))
             if chunk.completes:
                 logits_rows.append(len(ids) - 1)
+            table = seq.block_table[: ceil_div(end, size)]
             if chunk.num_new_tokens == 1:
-                decode_tables.append(seq.block_table[: -(-end // size)])
+                decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                block_ids = torch.tensor(seq.block_table[: -(-end // size)], device=device)
+                block_ids = torch.tensor(table, device=device)
                 prefills.append(PrefillSegment(q_start, chunk.num_new_tokens, end, block_ids))
         tables, lens, mask = self._decode_tensors(decode_tables, decode_lens, size, device)
         meta = BatchMetadata(

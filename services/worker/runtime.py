@@ -197,8 +197,6 @@ class WorkerRuntime:
 
     def info(self) -> scheduler_pb2.WorkerInfo:
         engine = self.engine
-        cache = engine.cache
-        block_bytes = 2 * cache.num_layers * cache.k[0, 0].numel() * cache.k.element_size()
         return scheduler_pb2.WorkerInfo(
             worker_id=self.identity.worker_id,
             role=self.identity.role,
@@ -207,7 +205,7 @@ class WorkerRuntime:
             num_blocks=engine.blocks.num_blocks,
             block_size=engine.blocks.block_size,
             max_model_len=engine.max_model_len,
-            kv_block_bytes=block_bytes,
+            kv_block_bytes=engine.cache.block_bytes,
             device=self.identity.device,
         )
 
