@@ -47,7 +47,6 @@ class TokenReporter:
         self._closing = False
         self.connected = asyncio.Event()
         self._was_lost = False
-        self.batches_sent = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="token-reporter")
@@ -103,7 +102,6 @@ class TokenReporter:
             if batch is None:
                 return
             yield batch
-            self.batches_sent += 1
 
     def _lost(self, reason: str) -> None:
         if not self.connected.is_set():

@@ -19,8 +19,6 @@ from tandem.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-# max_tokens when the caller left it unset (the gateway normally resolves it first).
-
 
 class WorkerServicerBase:
     """Base of the role servicers (the runtime's RoleServicer)."""
