@@ -1,12 +1,12 @@
 """grpc.aio server bootstrap shared by every service: health (NOT_SERVING until marked), reflection,
-auth and error-mapping interceptors, graceful shutdown on SIGTERM/SIGINT, and the helpers that
-pass the remaining deadline and the trace context on to downstream calls.
+auth (credentials read as auth.py says) and error-mapping interceptors, graceful shutdown on
+SIGTERM/SIGINT, and the helpers that pass the remaining deadline and the trace context on to
+downstream calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import signal
@@ -19,12 +19,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import API_KEY_HEADERS, presented_secret, secret_matches
 from services.common.errors import DeadlineExceeded, InvalidRequest, TandemError, grpc_status
 
 log = logging.getLogger(__name__)
 
 INTERNAL_TOKEN_KEY = "x-tandem-internal-token"
-API_KEY_HEADERS = ("authorization", "x-api-key")
 TRACE_METADATA_KEYS = ("traceparent", "tracestate", "baggage")
 # Message limits, by what a server receives. A KV chunk (the decode worker's KvTransferService) is
 # the largest message any Tandem peer sends; internal control calls carry token ids and stats; the
@@ -93,28 +93,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         expected = "authorization: Bearer <key>" if header == "authorization" else f"{header}: <token>"
         message = f"{reason}: send `{expected}` metadata with a configured key"
         return _replace_behavior(handler, lambda _behavior, _streaming: _deny(message))
-
-
-def presented_secret(lookup: Callable[[str], str | None], headers: Iterable[str] = API_KEY_HEADERS) -> str | None:
-    """The secret in the first of `headers` that `lookup` finds (gRPC metadata or HTTP headers).
-
-    `authorization` must use the Bearer scheme ('Bearer KEY' -> 'KEY', scheme case-insensitive);
-    any other value there is not a credential ("").
-    """
-    for header in headers:
-        value = lookup(header)
-        if value is None:
-            continue
-        if header != "authorization":
-            return value
-        scheme, _, token = value.strip().partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
-    return None
-
-
-def secret_matches(presented: str, secrets: Iterable[bytes]) -> bool:
-    """Constant-time comparison against every accepted secret."""
-    return any(hmac.compare_digest(presented.encode(), secret) for secret in secrets)
 
 
 def _deny(message: str) -> Behavior:

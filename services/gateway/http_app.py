@@ -31,7 +31,7 @@ from services.common.config import add_option, from_args, parse_size
 from services.common.errors import (
     DEFAULT_RETRY_AFTER_S, RETRY_AFTER_KEY, InvalidRequest, TandemError, Unauthenticated, http_status, retry_metadata,
 )
-from services.common.grpc_server import presented_secret, secret_matches
+from services.common.auth import presented_secret, secret_matches
 from services.common.metrics import render_metrics
 from services.gateway import sse
 from services.gateway.choices import ChoiceSet

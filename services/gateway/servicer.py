@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import TandemError
-from services.common.grpc_server import presented_secret, remaining_timeout
+from services.common.auth import presented_secret
+from services.common.grpc_server import remaining_timeout
 from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
 from services.gateway.output import Chunk
