@@ -25,7 +25,7 @@ COMMANDS: dict[str, Command] = {
     "scheduler": Command("services.scheduler.main", "run the scheduler"),
     "prefill": Command("services.prefill.main", "run a prefill worker"),
     "decode": Command("services.decode.main", "run a decode worker"),
-    "colocated": Command("services.decode.colocated_main", "run a worker that both prefills and decodes"),
+    "colocated": Command("services.colocated.main", "run a worker that both prefills and decodes"),
     "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
     "model": Command("tandem.model_cli", "manage models: pull the default model, show a model's sizes"),
     "generate": Command("tandem.generate_cli", "generate text in-process with the engine"),

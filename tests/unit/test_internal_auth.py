@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.common import internal_auth
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, GrpcServer, create_server
 from services.common.internal_auth import InternalAuthError, token_from_args
-from services.decode.colocated_main import SPEC as COLOCATED
+from services.colocated.main import SPEC as COLOCATED
 from services.decode.main import SPEC as DECODE
 from services.prefill.main import SPEC as PREFILL
 from services.scheduler.servicer import SERVICE_NAME as SCHEDULER

@@ -1,10 +1,10 @@
-"""`tandem colocated`: one worker that prefills and decodes (see services/decode/colocated.py)."""
+"""`tandem colocated`: one worker that prefills and decodes (see services/colocated/servicer.py and services/worker/main_common.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from services.decode.colocated import ColocatedServicer
+from services.colocated.servicer import ColocatedServicer
 from services.worker import main_common
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
