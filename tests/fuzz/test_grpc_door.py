@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from services.common.wire import DEFAULT_MAX_TOKENS
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fuzz.serving import AUTH, CALL_TIMEOUT_S, Outcome, assert_still_serving, budget, outcome_of
-from tests.fuzz.strategies import COMMON_HINTS, INT32, messages, odd_text
+from tests.fuzz.strategies import CHEAP_MAX_TOKENS, COMMON_HINTS, INT32, VOCAB_SIZE, messages, odd_text
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,29 @@ REQUEST_HINTS = {
 }
 
 
+# Requests that pass validation, so most examples reach the scheduler and the workers: one prompt
+# field, every sampling value in range, odd unicode in the texts.
+PLAUSIBLE_PROMPT = st.one_of(
+    st.builds(lambda text: {"prompt": text}, odd_text.filter(bool)),
+    st.builds(lambda ids: {"token_ids": ids}, st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=24)),
+    st.builds(lambda turns: {"messages": turns}, st.lists(st.builds(
+        gateway_pb2.ChatMessage, role=st.sampled_from(["user", "system", "assistant"]), content=odd_text),
+        min_size=1, max_size=3)),
+)
+PLAUSIBLE_SAMPLING = st.builds(
+    common_pb2.SamplingParams, max_tokens=st.integers(1, CHEAP_MAX_TOKENS),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.floats(0.0625, 1.0, width=32), top_k=st.integers(-1, 50),
+    min_p=st.floats(0.0, 1.0, width=32), seed=st.integers(0, 2**64 - 1),
+    stop_token_ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=3), ignore_eos=st.booleans(),
+    logprobs=st.integers(0, 20), repetition_penalty=st.floats(0.5, 2.0, width=32),
+    presence_penalty=st.floats(-2.0, 2.0, width=32), frequency_penalty=st.floats(-2.0, 2.0, width=32),
+    stop=st.lists(odd_text.filter(bool), max_size=3), include_stop_str_in_output=st.booleans(),
+    skip_special_tokens=st.booleans())
+PLAUSIBLE = st.builds(lambda prompt, sampling, salt: gateway_pb2.GenerateRequest(**prompt, sampling=sampling,
+                                                                                 cache_salt=salt),
+                      PLAUSIBLE_PROMPT, PLAUSIBLE_SAMPLING, odd_text)
+
+
 def generate(gateway: grpc.Channel, request: gateway_pb2.GenerateRequest) -> tuple[Outcome, list, grpc.RpcError | None]:
     """The call's outcome, its responses when OK, and the error when refused."""
     try:
@@ -74,8 +97,8 @@ def generate(gateway: grpc.Channel, request: gateway_pb2.GenerateRequest) -> tup
     return Outcome(grpc.StatusCode.OK, ""), responses, None
 
 
-@budget(max_examples=60)
-@given(request=messages(gateway_pb2.GenerateRequest.DESCRIPTOR, REQUEST_HINTS))
+@budget(max_examples=100)
+@given(request=st.one_of(messages(gateway_pb2.GenerateRequest.DESCRIPTOR, REQUEST_HINTS), PLAUSIBLE))
 def test_generated_requests_end_ok_or_with_a_client_status(gateway, reference, request):
     outcome, responses, error = generate(gateway, request)
     event(outcome.code.name)
@@ -91,8 +114,7 @@ def test_generated_requests_end_ok_or_with_a_client_status(gateway, reference, r
 
 
 @budget(max_examples=40)
-@given(raw=st.one_of(st.binary(max_size=256), messages(gateway_pb2.GenerateRequest.DESCRIPTOR, REQUEST_HINTS)
-                     .map(lambda m: _mangled(m.SerializeToString()))))
+@given(raw=st.one_of(st.binary(max_size=256), PLAUSIBLE.map(lambda m: _mangled(m.SerializeToString()))))
 def test_raw_bytes_never_fault(gateway, reference, raw):
     parsed = _parsed(raw)
     assume(parsed is None or not _costly(parsed))

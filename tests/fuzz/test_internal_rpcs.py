@@ -177,7 +177,7 @@ def real_workers(mesh) -> set[tuple[str, str, str]]:
 
 
 def test_scheduler_rpcs_never_fault(mesh, reference, targets, real_workers):
-    @budget(max_examples=80)
+    @budget(max_examples=150)
     @given(call=calls(SCHEDULER_RPCS, hints(mesh)))
     def fuzz(call) -> None:
         assert_no_fault(targets["scheduler"], *call, mesh.internal_metadata)
@@ -192,7 +192,7 @@ def test_worker_rpcs_never_fault(mesh, reference, targets, real_workers):
     by_target = st.one_of(calls(PREFILL_RPCS, hints(mesh)).map(lambda call: (prefill, *call)),
                           calls(DECODE_RPCS, hints(mesh)).map(lambda call: (decode, *call)))
 
-    @budget(max_examples=80)
+    @budget(max_examples=150)
     @given(call=by_target)
     def fuzz(call) -> None:
         assert_no_fault(*call, mesh.internal_metadata)
@@ -231,7 +231,7 @@ def test_kv_push_into_a_reservation_never_faults(mesh, reference, targets, real_
     stub = worker_pb2_grpc.DecodeServiceStub(decode.channel)
     push = next(rpc for rpc in DECODE_RPCS if rpc.method == "Push")
 
-    @budget(max_examples=40)
+    @budget(max_examples=60)
     @given(chunks=kv_chunks("fuzz-kv"))
     def fuzz(chunks) -> None:
         stub.Reserve(worker_pb2.ReserveRequest(request_id="fuzz-kv", num_tokens=32), timeout=INTERNAL_TIMEOUT_S,
