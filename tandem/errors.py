@@ -1,4 +1,5 @@
-"""The SDK's exceptions: one class per gRPC status code a Tandem server reports.
+"""The SDK's exceptions: one class per gRPC status code a Tandem server reports, named and coded by
+the wire's error table (tandem.v1.errors), as the servers' own exceptions are.
 
 `error_from_rpc` turns a failed call (sync or grpc.aio) into its class; every error carries the
 server's message and the exact status code. Catch `TandemError` to catch them all.
@@ -7,12 +8,13 @@ server's message and the exact status code. Catch `TandemError` to catch them al
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 import grpc.aio
 
-RETRY_AFTER_KEY = "retry-after"
+from tandem.v1.errors import RETRY_AFTER_KEY, kind_named
+
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
@@ -20,9 +22,14 @@ class TandemError(Exception):
     """A Tandem call failed. `message` is the server's text; `code` the gRPC status code.
 
     `request_id` is set when the server had already named the request (an error mid-stream).
+    A subclass's `default_code` is the one of the wire's error kind named like it.
     """
 
     default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.default_code = kind_named(cls.__name__).code
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
@@ -34,8 +41,6 @@ class TandemError(Exception):
 class InvalidRequest(TandemError):
     """A request field is invalid (INVALID_ARGUMENT); `field` names it when the message starts with it."""
 
-    default_code = grpc.StatusCode.INVALID_ARGUMENT
-
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message, code)
         match = _FIELD_PREFIX.match(message)
@@ -45,31 +50,21 @@ class InvalidRequest(TandemError):
 class Unauthenticated(TandemError):
     """The API key is missing or wrong (UNAUTHENTICATED)."""
 
-    default_code = grpc.StatusCode.UNAUTHENTICATED
-
 
 class PermissionDenied(TandemError):
     """The API key may not do this (PERMISSION_DENIED)."""
-
-    default_code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class NotFound(TandemError):
     """The named model (or request) does not exist (NOT_FOUND)."""
 
-    default_code = grpc.StatusCode.NOT_FOUND
-
 
 class FailedPrecondition(TandemError):
     """The deployment is not in a state that allows the call (FAILED_PRECONDITION)."""
 
-    default_code = grpc.StatusCode.FAILED_PRECONDITION
-
 
 class Overloaded(TandemError):
     """No capacity now (RESOURCE_EXHAUSTED); `retry_after` is the server's hint in seconds, if it sent one."""
-
-    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None, retry_after: float | None = None) -> None:
         super().__init__(message, code)
@@ -79,25 +74,17 @@ class Overloaded(TandemError):
 class Unavailable(TandemError):
     """The server, or a worker the request needed, is unreachable or was lost (UNAVAILABLE)."""
 
-    default_code = grpc.StatusCode.UNAVAILABLE
-
 
 class DeadlineExceeded(TandemError):
     """The call's deadline passed before it completed (DEADLINE_EXCEEDED)."""
-
-    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class Cancelled(TandemError):
     """The call was cancelled (CANCELLED)."""
 
-    default_code = grpc.StatusCode.CANCELLED
-
 
 class Internal(TandemError):
     """The server failed in a way that is not the caller's fault (INTERNAL)."""
-
-    default_code = grpc.StatusCode.INTERNAL
 
 
 ERROR_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {

@@ -1,4 +1,6 @@
-"""Domain errors of every Tandem service and their one mapping to gRPC status codes and HTTP statuses.
+"""Domain errors of every Tandem service. Each class's gRPC status code and HTTP status is the row of
+the wire's error table (tandem.v1.errors) named like the class, the table the SDK's exceptions
+(tandem.errors) take theirs from too.
 
 Servicers raise these; the error interceptor (grpc_server.py) turns them into statuses,
 and clients turn statuses back into them with `error_from_status`.
@@ -8,16 +10,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after"  # whole seconds, as HTTP's Retry-After
-RETRY_AFTER_MS_KEY = "retry-after-ms"  # the same hint in milliseconds, when the peer estimated it
+from tandem.v1.errors import INTERNAL, RETRY_AFTER_KEY, RETRY_AFTER_MS_KEY, ErrorKind, kind_named
+
 DEFAULT_RETRY_AFTER_S = 1.0  # the hint when a peer sent none
 
 
 class TandemError(Exception):
-    """Base of the errors a service reports to its caller; the message says what to change."""
+    """Base of the errors a service reports to its caller; the message says what to change.
+
+    The base is INTERNAL; a subclass is the wire's error kind named like it (a TypeError otherwise).
+    """
+
+    kind: ClassVar[ErrorKind] = INTERNAL
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind_named(cls.__name__)
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -75,34 +87,18 @@ class FailedPrecondition(TandemError):
     """The system is not in a state that allows the operation (e.g. mismatched block sizes)."""
 
 
-# The one mapping: error class -> (gRPC status code, HTTP status).
-STATUS_BY_ERROR: dict[type[TandemError], tuple[grpc.StatusCode, int]] = {
-    InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
-    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
-    NotFound: (grpc.StatusCode.NOT_FOUND, 404),
-    FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 400),
-    Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
-    DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-}
-_INTERNAL = (grpc.StatusCode.INTERNAL, 500)
+# The errors rebuilt from a status by their message alone (the others carry a field or a retry hint).
+_PLAIN_ERROR_BY_CODE = {cls.kind.code: cls for cls in (Unauthenticated, NotFound, FailedPrecondition, DeadlineExceeded)}
 
 
 def grpc_status(error: TandemError) -> grpc.StatusCode:
     """The gRPC status code an error is reported with."""
-    return _lookup(type(error))[0]
+    return error.kind.code
 
 
 def http_status(error: TandemError) -> int:
     """The HTTP status an error is reported with (the OpenAI-compatible API)."""
-    return _lookup(type(error))[1]
-
-
-def _lookup(cls: type[TandemError]) -> tuple[grpc.StatusCode, int]:
-    for klass in cls.__mro__:
-        if klass in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[klass]
-    return _INTERNAL
+    return error.kind.http_status
 
 
 def error_from_status(
@@ -117,10 +113,7 @@ def error_from_status(
         return Overloaded(message, retry_after=DEFAULT_RETRY_AFTER_S if retry is None else retry)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(message, retry_after=retry_after_hint(trailing_metadata))
-    for cls, (status, _) in STATUS_BY_ERROR.items():
-        if status == code:
-            return cls(message)
-    return TandemError(message)
+    return _PLAIN_ERROR_BY_CODE.get(code, TandemError)(message)
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> TandemError:

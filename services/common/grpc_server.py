@@ -141,7 +141,7 @@ async def _each_decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _map_errors(behavior: Behavior, streaming: bool, requests: Callable[[Any], Any] = _decoded) -> Behavior:
-    """Wrap a servicer method so TandemErrors become their gRPC status (errors.STATUS_BY_ERROR);
+    """Wrap a servicer method so TandemErrors become their gRPC status (their `kind`);
     `requests` checks the request (or the stream of them) before the method sees it."""
     if not streaming:
 

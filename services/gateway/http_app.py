@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.config import add_option, from_args, parse_size
 from services.common.errors import (
-    DEFAULT_RETRY_AFTER_S, RETRY_AFTER_KEY, InvalidRequest, TandemError, Unauthenticated, http_status, retry_metadata,
+    DEFAULT_RETRY_AFTER_S, InvalidRequest, TandemError, Unauthenticated, http_status, retry_metadata,
 )
 from services.common.auth import presented_secret, secret_matches
 from services.common.metrics import render_metrics
@@ -43,6 +43,7 @@ from services.gateway.openai_schema import (
 from services.gateway.request import GenerationRequest, salt_for_key
 from services.common.wire import DEFAULT_MAX_TOKENS
 from services.gateway.validation import check_choices, request_id_or_new
+from tandem.v1.errors import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class ClientGone(Exception):
 
 
 def error_response(error: TandemError | ApiError) -> JSONResponse:
-    """The OpenAI error JSON with the status of errors.STATUS_BY_ERROR; 429 and 503 carry
+    """The OpenAI error JSON with the error kind's HTTP status; 429 and 503 carry
     Retry-After (and Retry-After-Ms), the upstream's hint or the default."""
     status, payload = error_payload(error)
     headers = dict(error.trailing_metadata()) if isinstance(error, TandemError) else {}
