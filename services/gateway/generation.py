@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import TandemError, Unavailable, error_from_rpc, error_from_status
+from services.common.errors import TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.metrics import ServiceMetrics
 from services.common.tokenizer import TextCodec
@@ -32,8 +32,6 @@ from services.gateway.validation import check_prompt_length, validate_request
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
 class Generation:
@@ -75,7 +73,7 @@ class Generation:
             async for event in self._call:
                 if self._assembler.finished:
                     continue  # read the stream to its end: the request completed upstream
-                chunk = self._assembler.on_event(_checked(event))
+                chunk = self._assembler.on_event(event)
                 if chunk is None:
                     continue
                 self._record(chunk)
@@ -130,14 +128,6 @@ class Generation:
         log.info("request %s failed: %s", self.request_id, detail)  # info: a full queue refuses many at once
         self._span.set_status(trace.StatusCode.ERROR, detail)
         return for_client(error, self.request_id)
-
-
-def _checked(event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
-    """The event, unless it reports a failure in-band: then that failure as its TandemError."""
-    if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-        status = _STATUS_BY_NUMBER.get(event.error.code, grpc.StatusCode.INTERNAL)
-        raise error_from_status(status, event.error.message or "the request failed upstream")
-    return event
 
 
 class GenerationPipeline:

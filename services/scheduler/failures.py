@@ -16,10 +16,10 @@ from services.common.errors import DeadlineExceeded, TandemError, Unavailable, e
 from services.common.store import WorkerRecord
 from services.scheduler.inflight import RequestState
 from tandem.v1 import scheduler_pb2
+from tandem.v1.errors import code_from_number
 
 log = logging.getLogger(__name__)
 
-STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -50,7 +50,7 @@ def cut(state: RequestState, worker: WorkerRecord, call: str) -> Unavailable:
 
 def from_event(state: RequestState, event: scheduler_pb2.TokenEvent) -> TandemError:
     """A worker's FINISH_REASON_ERROR event (its RequestError's code and message)."""
-    code = STATUS_BY_NUMBER.get(event.error.code, grpc.StatusCode.INTERNAL)
+    code = code_from_number(event.error.code)
     return _failed(state, code, f"worker {event.worker_id} failed the request: {code.name}: {event.error.message}")
 
 

@@ -1,5 +1,6 @@
 """The error contract of the tandem.v1 API: the name, gRPC status code and HTTP status of every
-failure a Tandem server reports, and the metadata keys of a retry hint. Hand-written, beside the
+failure a Tandem server reports, the metadata keys of a retry hint, and how a RequestError's code
+number reads. Hand-written, beside the
 generated stubs, because it is part of the wire contract as much as the .proto files are.
 
 Two exception hierarchies speak it: the servers' (services.common.errors), which servicers raise
@@ -44,6 +45,7 @@ ERROR_KINDS: tuple[ErrorKind, ...] = (
 )
 _KIND_BY_NAME = {kind.name: kind for kind in ERROR_KINDS}
 INTERNAL = _KIND_BY_NAME["Internal"]
+_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def kind_named(name: str) -> ErrorKind:
@@ -54,3 +56,8 @@ def kind_named(name: str) -> ErrorKind:
         raise TypeError(f"no error kind is named {name!r}: an error class takes its name from a row of "
                         f"tandem.v1.errors.ERROR_KINDS; add the row (name, gRPC code, HTTP status) or "
                         f"use one of {', '.join(_KIND_BY_NAME)}") from None
+
+
+def code_from_number(number: int) -> grpc.StatusCode:
+    """The gRPC status code a RequestError carries as its number (INTERNAL for one gRPC does not define)."""
+    return _CODE_BY_NUMBER.get(number, grpc.StatusCode.INTERNAL)
