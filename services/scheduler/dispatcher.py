@@ -299,11 +299,12 @@ class Dispatcher:
         request tries the next decode worker."""
         held = self.inflight.held_by(worker_id)
         address = held[0].holders[worker_id].info.address if held else None
+        failed = [state for state in held if state.decode is not None or state.colocated]
         for state in held:
             del state.holders[worker_id]
-            if state.decode is not None or state.colocated:
-                state.relay.fail(failures.lost(state, worker_id, reason))
-        log.warning("worker %s lost (%s): %d request(s) failed", worker_id, reason, len(held))
+        for state in failed:
+            state.relay.fail(failures.lost(state, worker_id, reason))
+        log.warning("worker %s lost (%s): %d request(s) failed", worker_id, reason, len(failed))
         self._draining.discard(worker_id)
         self.registry.forget(worker_id)
         self._spawn(self._forget(worker_id, address))
