@@ -37,18 +37,16 @@ from services.gateway import sse
 from services.gateway.choices import ChoiceSet
 from services.gateway.generation import GenerationPipeline
 from services.gateway.openai_schema import (
-    OWNED_BY, ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
+    ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
     body_error, error_body,
 )
-from services.gateway.request import GenerationRequest, salt_for_key
+from services.gateway.request import OWNED_BY, REQUEST_ID_HEADER, TRACE_ID_HEADER, GenerationRequest, salt_for_key
 from services.common.wire import DEFAULT_MAX_TOKENS
 from services.gateway.validation import check_choices, request_id_or_new
 from tandem.v1.errors import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "x-request-id"
-TRACE_ID_HEADER = "x-trace-id"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 RETRY_STATUSES = (429, 503)  # always sent with Retry-After
 

@@ -21,7 +21,6 @@ from services.gateway.output import Chunk
 from services.gateway.request import GenerationRequest
 from tandem.v1 import common_pb2
 
-OWNED_BY = "tandem"
 # The `type` of an error body by HTTP status (the openai package picks its exception by status);
 # other 4xx are invalid_request_error, other 5xx server_error.
 ERROR_TYPES = {

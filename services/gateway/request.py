@@ -1,5 +1,6 @@
 """What the gateway is asked to do, whatever the protocol: `GenerationRequest` (gRPC and HTTP
-both convert into it at their edge) and `ServedModel`, the model it serves and its limits.
+both convert into it at their edge), `ServedModel`, the model it serves and its limits, and the
+names both doors give a request's ids (headers on HTTP, initial metadata on gRPC).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from services.common.model_config import ModelConfig
 from services.common.model_store import model_name
 from services.common.sampling_params import SamplingParams
 from services.common.tokenizer import TextCodec
+
+REQUEST_ID_HEADER = "x-request-id"
+TRACE_ID_HEADER = "x-trace-id"
+OWNED_BY = "tandem"  # the owner a model card names, on both doors
 
 
 @dataclass(slots=True)

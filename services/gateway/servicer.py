@@ -16,12 +16,11 @@ from services.common.grpc_server import remaining_timeout
 from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
 from services.gateway.output import Chunk
-from services.gateway.request import GenerationRequest, ServedModel, new_request_id, salt_for_key
+from services.gateway.request import (
+    OWNED_BY, REQUEST_ID_HEADER, TRACE_ID_HEADER, GenerationRequest, ServedModel, new_request_id, salt_for_key,
+)
 from services.gateway.validation import check_repeated_sizes, request_id_or_new
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
-
-REQUEST_ID_KEY = "x-request-id"
-TRACE_ID_KEY = "x-trace-id"
 
 
 def request_from_proto(msg: gateway_pb2.GenerateRequest, default_salt: str = "") -> GenerationRequest:
@@ -86,11 +85,11 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
             domain.request_id = request_id
             generation = await self._pipeline.start(domain, timeout)
         except TandemError:  # refused before any work: the id still names it (a fresh one if its own is invalid)
-            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id_or_new(request_id)),))
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_or_new(request_id)),))
             raise
         try:
             await context.send_initial_metadata(
-                ((REQUEST_ID_KEY, generation.request_id), (TRACE_ID_KEY, generation.trace_id)))
+                ((REQUEST_ID_HEADER, generation.request_id), (TRACE_ID_HEADER, generation.trace_id)))
             async for response in _responses(generation):
                 yield response
         finally:
@@ -115,4 +114,4 @@ async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.Genera
 def model_card(model: ServedModel) -> gateway_pb2.ModelCard:
     return gateway_pb2.ModelCard(id=model.name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
                                  has_chat_template=model.has_chat_template, created=model.created,
-                                 owned_by="tandem")
+                                 owned_by=OWNED_BY)
