@@ -11,6 +11,7 @@ import pytest
 
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.e2e.api import API_KEY, prompt_of
+from tests.waiting import DEADLINE_S
 
 CHAT = [{"role": "user", "content": "Hi"}]
 RANGE, TYPE = "invalid_request", "invalid_type"  # a value out of range; a value of the wrong JSON type
@@ -118,7 +119,7 @@ def test_unknown_model_path_and_method(mesh, http):
     assert_error(http.get("/v1/nothing"), 404, "not_found_error", None, None)
     assert_error(http.get("/v1/completions"), 405, "invalid_request_error", None, None)
     assert_served(http)
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 # --- the gRPC door: the same limits as HTTP, with the same messages -----------------------------

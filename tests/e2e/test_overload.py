@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -20,6 +20,7 @@ from tandem.errors import Overloaded
 from services.gateway import client_errors
 from tandem.testing import Mesh, greedy_request
 from tests.e2e.api import API_KEY, AUTH, MESH_ENV, MODEL, prompt_of, sse_events
+from tests.waiting import DEADLINE_S, wait_until
 
 REQUEST_TIMEOUT_S = 8
 ENV = {**MESH_ENV, "TANDEM_MAX_RUNNING": "1", "TANDEM_MAX_QUEUE": "1",
@@ -39,13 +40,6 @@ def mesh(tmp_path_factory, default_model_dir) -> Iterator[Mesh]:
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(2) as executor:
         yield executor
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def stream_until_closed(mesh: Mesh, seed: int, first_event: threading.Event, leave: threading.Event) -> bytes:
@@ -68,7 +62,7 @@ def fill(mesh: Mesh, pool: ThreadPoolExecutor, leave: threading.Event) -> tuple[
     assert first_event.wait(30), "the running request produced nothing"
     waiting = pool.submit(httpx.post, f"{mesh.http_url}/v1/completions", headers=AUTH, timeout=60,
                           json={"prompt": prompt_of(20, 2), "max_tokens": 4, "temperature": 0})
-    wait_for(lambda: mesh.scheduler_stats().waiting == 1, "the second request to queue")
+    wait_until(lambda: mesh.scheduler_stats().waiting == 1, "the second request to queue")
     return running, waiting
 
 
@@ -98,7 +92,7 @@ def test_a_full_queue_is_429_resource_exhausted_and_overloaded(mesh, pool):
     leave.set()
     running.result(timeout=30)
     assert waiting.result(timeout=30).status_code == 200  # it ran once the first one left
-    mesh.wait_idle(1.0)
+    mesh.wait_idle(DEADLINE_S)
 
 
 def test_deadline_is_504_before_the_first_token_and_an_error_event_after_it(mesh, pool):
@@ -115,5 +109,5 @@ def test_deadline_is_504_before_the_first_token_and_an_error_event_after_it(mesh
     assert chunks and all(len(e["choices"]) == 1 and e["choices"][0]["finish_reason"] is None for e in chunks)
     assert set(failure) == {"error"} and failure["error"]["code"] == "deadline_exceeded"
     assert failure["error"]["type"] == "timeout_error"
-    assert REQUEST_TIMEOUT_S <= time.monotonic() - started < REQUEST_TIMEOUT_S + 5
-    mesh.wait_idle(1.0)
+    assert time.monotonic() - started >= REQUEST_TIMEOUT_S  # not before the deadline (load only adds time)
+    mesh.wait_idle(DEADLINE_S)

@@ -27,6 +27,7 @@ from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel
 from services.common.wire import DEFAULT_MAX_TOKENS
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.waiting import eventually
 
 REPLY = " Paris is the capital of France. 한국어 🎉 ok"
 PROMPT = "What is the capital of France?"
@@ -285,16 +286,8 @@ async def test_stop_string_across_tokens_cuts_the_text_and_cancels_upstream(clie
     choice = response.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (" Paris is", "stop", stop)
     rid = response.headers["x-request-id"]
-    await _eventually(lambda: fake.count("cancelled", rid) == 1)
+    await eventually(lambda: fake.count("cancelled", rid) == 1, "the cancelled submit call")
     assert fake.count("token", rid) < len(fake.reply_ids())
-
-
-async def _eventually(condition, timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 # --- streaming -------------------------------------------------------------------------------
@@ -560,17 +553,17 @@ async def test_client_disconnect_mid_stream_cancels_upstream(live_client, fake):
         lines = response.aiter_lines()
         while not (await anext(lines)).startswith("data: "):
             pass
-    await _eventually(lambda: fake.count("cancelled", rid) == 1, timeout=1.0)
+    await eventually(lambda: fake.count("cancelled", rid) == 1, "the cancelled submit call")
     assert fake.count("token", rid) < len(fake.reply_ids())
 
 
 async def test_client_disconnect_before_the_first_token_cancels_upstream(live_client, fake):
     fake.delay = 0.5
     request = asyncio.ensure_future(live_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 9}))
-    await _eventually(lambda: len(fake.submits) == 1)
+    await eventually(lambda: len(fake.submits) == 1, "the submit call")
     request.cancel()
     rid = fake.submits[0].request_id
-    await _eventually(lambda: fake.count("cancelled", rid) == 1, timeout=1.0)
+    await eventually(lambda: fake.count("cancelled", rid) == 1, "the cancelled submit call")
     assert fake.count("token", rid) == 0
 
 
