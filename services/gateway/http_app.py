@@ -1,5 +1,6 @@
-"""The gateway's OpenAI-compatible REST/SSE bridge: FastAPI routes over the same GenerationPipeline
-as the gRPC door, served by uvicorn in the gateway's process.
+"""The gateway's OpenAI-compatible REST/SSE bridge: its settings and FastAPI routes over the same
+GenerationPipeline as the gRPC door. Errors are shaped by http_errors, streams by sse, ids by
+http_middleware; http_server serves the app with uvicorn in the gateway's process.
 
 A generation request goes: API key, body size, JSON, n (all before any work), then the pipeline,
 which checks every other field and limit exactly as for the gRPC door. The response starts only
@@ -12,43 +13,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.config import add_option, from_args, parse_size
-from services.common.errors import (
-    DEFAULT_RETRY_AFTER_S, InvalidRequest, TandemError, Unauthenticated, http_status, retry_metadata,
-)
 from services.common.auth import presented_secret, secret_matches
+from services.common.config import add_option, from_args, parse_size
+from services.common.errors import DEFAULT_RETRY_AFTER_S, InvalidRequest, Unauthenticated, retry_metadata
 from services.common.metrics import render_metrics
+from services.common.wire import DEFAULT_MAX_TOKENS
 from services.gateway import sse
 from services.gateway.choices import ChoiceSet
 from services.gateway.generation import GenerationPipeline
+from services.gateway.http_errors import ApiError, add_error_handlers
+from services.gateway.http_middleware import RequestIds
 from services.gateway.openai_schema import (
-    ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper,
-    body_error, error_body,
+    ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper, body_error,
 )
-from services.gateway.request import OWNED_BY, REQUEST_ID_HEADER, TRACE_ID_HEADER, GenerationRequest, salt_for_key
-from services.common.wire import DEFAULT_MAX_TOKENS
-from services.gateway.validation import check_choices, request_id_or_new
-from tandem.v1.errors import RETRY_AFTER_KEY
-
-log = logging.getLogger(__name__)
+from services.gateway.request import OWNED_BY, GenerationRequest, salt_for_key
+from services.gateway.validation import check_choices
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
-RETRY_STATUSES = (429, 503)  # always sent with Retry-After
 
 T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
@@ -76,80 +67,8 @@ def config_from_args(args: argparse.Namespace) -> HttpConfig:
     return from_args(HttpConfig, args)
 
 
-class ApiError(Exception):
-    """An HTTP-level failure that has no domain error (body too large, malformed JSON)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
 class ClientGone(Exception):
     """The client disconnected before the response started."""
-
-
-def error_response(error: TandemError | ApiError) -> JSONResponse:
-    """The OpenAI error JSON with the error kind's HTTP status; 429 and 503 carry
-    Retry-After (and Retry-After-Ms), the upstream's hint or the default."""
-    status, payload = error_payload(error)
-    headers = dict(error.trailing_metadata()) if isinstance(error, TandemError) else {}
-    if status in RETRY_STATUSES and RETRY_AFTER_KEY not in headers:
-        headers.update(retry_metadata(DEFAULT_RETRY_AFTER_S))
-    return JSONResponse(payload, status_code=status, headers=headers)
-
-
-def error_payload(error: TandemError | ApiError) -> tuple[int, dict[str, Any]]:
-    if isinstance(error, ApiError):
-        return error.status, error_body(error.status, error.message, error.param, error.code)
-    status = http_status(error)
-    param = error.field if isinstance(error, InvalidRequest) else None
-    return status, error_body(status, error.message, param, _snake_case(type(error).__name__))
-
-
-def _snake_case(name: str) -> str:
-    """'DeadlineExceeded' -> 'deadline_exceeded'."""
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
-
-
-class RequestIds:
-    """ASGI middleware: every request gets an id (the caller's `x-request-id` when it is a valid
-    request id, else a new one) in `request.state.request_id`; every response carries it, and
-    `x-trace-id` once a handler has set `request.state.trace_id`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        incoming = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        state["request_id"] = request_id_or_new(incoming)
-
-        async def send_with_ids(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                ids = [(REQUEST_ID_HEADER, state["request_id"]), (TRACE_ID_HEADER, state.get("trace_id"))]
-                extra = [(name.encode(), value.encode()) for name, value in ids if value]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_ids)
-
-
-class _SseResponse(StreamingResponse):
-    """A stream that runs `on_close` however it ends: finished, failed, or the client gone
-    (Starlette cancels the body then, possibly before it was ever started)."""
-
-    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type=sse.MEDIA_TYPE, headers={"cache-control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 class HttpBridge:
@@ -197,7 +116,7 @@ class HttpBridge:
                 await _unless_disconnected(request, choices.start())
             if body.stream:
                 streamed = True  # the response closes the choices when the stream ends
-                return _SseResponse(_events(shaper, choices, body.num_choices, body.include_usage), choices.close)
+                return sse.SseResponse(sse.events(shaper, choices, body.num_choices, body.include_usage), choices.close)
             collected = await _unless_disconnected(request, _collect(choices, body.num_choices))
             return JSONResponse(shaper.response(collected))
         except ClientGone:
@@ -246,69 +165,13 @@ def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,
     app.add_api_route("/v1/models", bridge.models, methods=["GET"])
     app.add_api_route("/health", bridge.health, methods=["GET"])
     app.add_api_route("/metrics", bridge.metrics, methods=["GET"])
-    app.add_exception_handler(TandemError, _handle_error)
-    app.add_exception_handler(ApiError, _handle_error)
-    app.add_exception_handler(HTTPException, _handle_http_exception)
+    add_error_handlers(app)
     return app
 
 
 def set_serving(app: FastAPI, serving: bool) -> None:
     """Turn /health to 200 (serving) or 503 (starting, draining)."""
     app.state.bridge.serving = serving
-
-
-@dataclass(slots=True)
-class HttpServer:
-    """A running uvicorn server; `port` is the bound one (useful with port 0)."""
-
-    server: uvicorn.Server
-    task: asyncio.Task[None]
-    port: int
-
-    async def stop(self) -> None:
-        """Stop accepting, let running responses finish (the config's graceful timeout), return."""
-        self.server.should_exit = True
-        await self.task
-
-
-async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0) -> HttpServer:
-    """Serve `app` on host:port from the running event loop (port 0 picks a free one).
-
-    The gateway's main owns SIGTERM/SIGINT (grpc_server.run_until_signal), so uvicorn installs
-    no signal handlers; stop it with `HttpServer.stop()`.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, reuse_port=False)
-    except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port} for HTTP: {exc}; is another process using the port?") from exc
-    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace)
-    server = _EmbeddedServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
-        raise RuntimeError(f"the HTTP server on {host}:{port} stopped while starting")
-    return HttpServer(server, task, sock.getsockname()[1])
-
-
-class _EmbeddedServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def _handle_error(request: Request, error: Exception) -> Response:
-    assert isinstance(error, TandemError | ApiError)
-    return error_response(error)
-
-
-async def _handle_http_exception(request: Request, error: Exception) -> Response:
-    """Routing errors (404 unknown path, 405 wrong method) in the OpenAI shape."""
-    assert isinstance(error, HTTPException)
-    return JSONResponse(error_body(error.status_code, f"{request.method} {request.url.path}: {error.detail}"),
-                        status_code=error.status_code, headers=error.headers)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -374,27 +237,3 @@ async def _collect(choices: ChoiceSet, n: int) -> list[Choice]:
     async for index, chunk in choices.chunks():
         collected[index].add(chunk)
     return collected
-
-
-async def _events(shaper: ResponseShaper, choices: ChoiceSet, n: int, include_usage: bool):
-    """The SSE body: the opening chunks, one event per chunk with something to show, the usage
-    chunk when asked, then [DONE]; a failure becomes one error event before [DONE]."""
-    for payload in shaper.opening_chunks(n):
-        yield sse.event(payload)
-    usages = {}
-    try:
-        async for index, chunk in choices.chunks():
-            if chunk.usage is not None:
-                usages[index] = chunk.usage
-            payload = shaper.chunk(index, chunk)
-            if payload is not None:
-                yield sse.event(payload)
-        if include_usage:
-            yield sse.event(shaper.usage_chunk([usages[index] for index in sorted(usages)]))
-    except TandemError as error:
-        yield sse.event(error_payload(error)[1])
-    except Exception:
-        log.exception("stream of %s failed", shaper.response_id)
-        yield sse.event(error_body(500, "internal error while streaming; see the gateway's log", None,
-                                   "internal_error"))
-    yield sse.DONE

@@ -25,6 +25,7 @@ from services.common.tracing import setup_tracing
 from services.gateway import http_app, limits
 from services.gateway.generation import GenerationPipeline
 from services.gateway.health import follow_scheduler_health
+from services.gateway.http_server import start_http
 from services.gateway.request import ServedModel
 from services.gateway.servicer import GenerateServicer
 from tandem.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
@@ -101,7 +102,7 @@ async def serve(config: GatewayConfig) -> None:
                        GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys)))
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
-    http_server = await http_app.start_http(http, config.host, config.http_port)
+    http_server = await start_http(http, config.host, config.http_port)
     log.info("serving %s on %s:%d, HTTP on port %d (scheduler %s, auth %s)", model.name, config.host, server.port,
              http_server.port, config.scheduler, "on" if config.api_keys else "off")
     follower = asyncio.create_task(follow_scheduler_health(channel, server, http, model=model.name,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible wire format, as vLLM serves it: request bodies of /v1/completions and
 /v1/chat/completions (parsed into the gateway's `GenerationRequest`) and the JSON of responses,
-stream chunks, usage, logprobs and errors.
+stream chunks, usage and logprobs (errors: http_errors.py).
 
 Bodies are checked here for JSON types only; value ranges are the pipeline's (validation.py), so
 the HTTP and gRPC doors reject the same values with the same messages.
@@ -21,12 +21,6 @@ from services.gateway.output import Chunk
 from services.gateway.request import GenerationRequest
 from tandem.v1 import common_pb2
 
-# The `type` of an error body by HTTP status (the openai package picks its exception by status);
-# other 4xx are invalid_request_error, other 5xx server_error.
-ERROR_TYPES = {
-    401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-    503: "service_unavailable_error", 504: "timeout_error",
-}
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 
 
@@ -213,12 +207,6 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 def _plain_message(message: str) -> str:
     return re.sub(r"^(Value error|Assertion failed), ", "", message)
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """{"error": {"message", "type", "param", "code"}}, OpenAI's error shape."""
-    error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def usage_body(usages: list[common_pb2.Usage]) -> dict[str, Any]:

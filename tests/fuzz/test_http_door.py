@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
-from services.gateway.openai_schema import ERROR_TYPES, ChatCompletionRequest, CompletionRequest
+from services.gateway.http_errors import ERROR_TYPES
+from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from tests.fuzz.serving import API_KEY, CALL_TIMEOUT_S, assert_still_serving, budget
 from tests.fuzz.strategies import CHEAP_MAX_TOKENS, CONTEXT
 

@@ -21,7 +21,8 @@ from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
 from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
-from services.gateway.http_app import HttpConfig, create_http_app, set_serving, start_http
+from services.gateway.http_app import HttpConfig, create_http_app, set_serving
+from services.gateway.http_server import start_http
 from services.gateway.limits import RequestLimits
 from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel

@@ -1,0 +1,56 @@
+"""uvicorn embedded in the gateway's event loop: the HTTP app served on a socket the gateway binds,
+with no signal handlers of its own (the gateway's main owns SIGTERM/SIGINT), stopped gracefully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+
+@dataclass(slots=True)
+class HttpServer:
+    """A running uvicorn server; `port` is the bound one (useful with port 0)."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self) -> None:
+        """Stop accepting, let running responses finish (the config's graceful timeout), return."""
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0) -> HttpServer:
+    """Serve `app` on host:port from the running event loop (port 0 picks a free one).
+
+    The gateway's main owns SIGTERM/SIGINT (grpc_server.run_until_signal), so uvicorn installs
+    no signal handlers; stop it with `HttpServer.stop()`.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} for HTTP: {exc}; is another process using the port?") from exc
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace)
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+        raise RuntimeError(f"the HTTP server on {host}:{port} stopped while starting")
+    return HttpServer(server, task, sock.getsockname()[1])
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
