@@ -55,13 +55,14 @@ def stream_until_closed(mesh: Mesh, seed: int, first_event: threading.Event, lea
     return received
 
 
-def fill(mesh: Mesh, pool: ThreadPoolExecutor, leave: threading.Event) -> tuple[Future[bytes], Future[httpx.Response]]:
-    """One long request running (streaming) and a short one waiting in the queue (not streaming)."""
+def fill(mesh: Mesh, pool: ThreadPoolExecutor, leave: threading.Event,
+         waiting_body: dict | None = None) -> tuple[Future[bytes], Future[httpx.Response]]:
+    """One long request running (streaming) and one waiting in the queue (not streaming; short by default)."""
     first_event = threading.Event()
     running = pool.submit(stream_until_closed, mesh, 1, first_event, leave)
     assert first_event.wait(30), "the running request produced nothing"
-    waiting = pool.submit(httpx.post, f"{mesh.http_url}/v1/completions", headers=AUTH, timeout=60,
-                          json={"prompt": prompt_of(20, 2), "max_tokens": 4, "temperature": 0})
+    body = {"prompt": prompt_of(20, 2), **(waiting_body or {"max_tokens": 4, "temperature": 0})}
+    waiting = pool.submit(httpx.post, f"{mesh.http_url}/v1/completions", headers=AUTH, timeout=60, json=body)
     wait_until(lambda: mesh.scheduler_stats().waiting == 1, "the second request to queue")
     return running, waiting
 
@@ -98,7 +99,9 @@ def test_a_full_queue_is_429_resource_exhausted_and_overloaded(mesh, pool):
 def test_deadline_is_504_before_the_first_token_and_an_error_event_after_it(mesh, pool):
     never = threading.Event()
     started = time.monotonic()
-    running, waiting = fill(mesh, pool, never)
+    # The queued request is long too: it reaches the slot a little before its own deadline (it queued
+    # after the running one's first token), and a short one could finish in that time on a quick machine.
+    running, waiting = fill(mesh, pool, never, waiting_body=LONG)
 
     queued = waiting.result(timeout=REQUEST_TIMEOUT_S + 10)
     assert queued.status_code == 504
