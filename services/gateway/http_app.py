@@ -33,9 +33,8 @@ from services.gateway.choices import ChoiceSet
 from services.gateway.generation import GenerationPipeline
 from services.gateway.http_errors import ApiError, add_error_handlers
 from services.gateway.http_middleware import RequestIds
-from services.gateway.openai_schema import (
-    ChatCompletionRequest, ChatShaper, Choice, CompletionRequest, CompletionShaper, ResponseShaper, body_error,
-)
+from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
+from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper, ResponseShaper
 from services.gateway.request import OWNED_BY, GenerationRequest, salt_for_key
 from services.gateway.validation import check_choices
 

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from services.common.errors import TandemError
 from services.gateway.choices import ChoiceSet
 from services.gateway.http_errors import error_body, error_payload
-from services.gateway.openai_schema import ResponseShaper
+from services.gateway.openai_responses import ResponseShaper
 
 log = logging.getLogger(__name__)
 

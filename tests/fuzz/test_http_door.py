@@ -5,7 +5,7 @@ status calls for; afterwards the mesh serves the reference request's exact token
 
 The document describes no request body for the two POST operations (the gateway reads its bodies
 itself, see http_app.py); where it describes none, the body schema is taken from the models the
-gateway parses bodies with (openai_schema.py), so the fuzzing reaches past "missing body".
+gateway parses bodies with (openai_requests.py), so the fuzzing reaches past "missing body".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from services.gateway.http_errors import ERROR_TYPES
-from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from tests.fuzz.serving import API_KEY, CALL_TIMEOUT_S, assert_still_serving, budget
 from tests.fuzz.strategies import CHEAP_MAX_TOKENS, CONTEXT
 

@@ -1,0 +1,165 @@
+"""The response JSON of the OpenAI-compatible API, as vLLM serves it: whole responses, stream
+chunks, usage and logprobs of /v1/completions and /v1/chat/completions, built from the pipeline's
+chunks (errors: http_errors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.output import Chunk
+from tandem.v1 import common_pb2
+
+TokenText = Callable[[int], str]  # a token id's own text, for logprobs
+
+
+def usage_body(usages: list[common_pb2.Usage]) -> dict[str, Any]:
+    """Usage of the n choices of one prompt: the prompt (and its cached part) counted once, as
+    OpenAI bills it, from the first choice, which computed it; completion tokens summed."""
+    prompt, cached = (usages[0].prompt_tokens, usages[0].cached_tokens) if usages else (0, 0)
+    completion = sum(usage.completion_tokens for usage in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's output collected from its chunks (for a non-streaming response)."""
+
+    index: int
+    text: str = ""
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: common_pb2.Usage | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.stop_reason = stop_reason(chunk)
+            self.usage = chunk.usage
+
+
+def stop_reason(chunk: Chunk) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the choice (None for EOS
+    and length)."""
+    return chunk.stop_string if chunk.stop_string is not None else chunk.stop_token_id
+
+
+class ResponseShaper:
+    """Builds the JSON of one response (id, created, model) for either endpoint; the subclass
+    says how a choice's text and logprobs look."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, created: int, model: str, token_text: TokenText,
+                 with_logprobs: bool) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.token_text = token_text
+        self.with_logprobs = with_logprobs
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        return {**self._header(self.object_name),
+                "choices": [self._final_choice(choice) for choice in choices],
+                "usage": usage_body([choice.usage for choice in choices if choice.usage is not None])}
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        """Chunks sent before any token (the chat role)."""
+        return []
+
+    def chunk(self, index: int, chunk: Chunk) -> dict[str, Any] | None:
+        """The stream chunk for one pipeline chunk; None when it has nothing to show."""
+        if not (chunk.text or chunk.finish_reason or (self.with_logprobs and chunk.logprobs)):
+            return None
+        choice = {"index": index, **self._delta(chunk.text),
+                  "logprobs": self._logprobs(index, chunk.logprobs) if self.with_logprobs else None,
+                  "finish_reason": chunk.finish_reason, "stop_reason": stop_reason(chunk)}
+        return {**self._header(self.chunk_object_name), "choices": [choice]}
+
+    def usage_chunk(self, usages: list[common_pb2.Usage]) -> dict[str, Any]:
+        """The last chunk of a stream with include_usage: no choices, the usage."""
+        return {**self._header(self.chunk_object_name), "choices": [], "usage": usage_body(usages)}
+
+    def _header(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
+
+    def _final_choice(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, **self._message(choice.text),
+                "logprobs": self._logprobs(choice.index, choice.logprobs) if self.with_logprobs else None,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionShaper(ResponseShaper):
+    """text_completion objects; logprobs in the legacy shape (tokens, token_logprobs,
+    top_logprobs, text_offset), offsets running on across a choice's chunks."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, int] = {}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
+    def _delta(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
+    def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        tokens = [self.token_text(entry.token_id) for entry in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{self.token_text(top.token_id): top.logprob for top in entry.top_logprobs}
+                             for entry in entries],
+            "text_offset": offsets,
+        }
+
+
+class ChatShaper(ResponseShaper):
+    """chat.completion objects; the stream opens with the assistant role for every choice."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening_chunks(self, n: int) -> list[dict[str, Any]]:
+        return [{**self._header(self.chunk_object_name),
+                 "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]}
+                for index in range(n)]
+
+    def _message(self, text: str) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": text}}
+
+    def _delta(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text} if text else {}}
+
+    def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        return {"content": [{**self._token(entry.token_id, entry.logprob),
+                             "top_logprobs": [self._token(top.token_id, top.logprob) for top in entry.top_logprobs]}
+                            for entry in entries]}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
