@@ -81,16 +81,18 @@ async def test_heartbeat_updates_load_and_unknown_worker_is_refused(harness: Har
 
 
 async def test_heartbeats_keep_a_worker_alive_and_a_lapsed_one_leaves(harness: Harness) -> None:
-    store = harness.store
-    await store.register_worker(info("w1"), ttl=0.8)
+    # Redis keeps wall-clock time: a TTL four times each step leaves 3 s for a loaded machine to stall
+    # between a heartbeat and the check that the worker is still listed.
+    store, ttl, step = harness.store, 4.0, 1.0
+    await store.register_worker(info("w1"), ttl=ttl)
     await store.add_blocks("w1", H[:2])
-    await harness.advance(0.5)
-    assert await store.heartbeat("w1", WorkerLoad(running=1), ttl=0.8) is True
-    await harness.advance(0.5)  # 1.0 s after registering, 0.5 s after the heartbeat
+    await harness.advance(step)
+    assert await store.heartbeat("w1", WorkerLoad(running=1), ttl=ttl) is True
+    await harness.advance(step)  # 2 s after registering, 1 s after the heartbeat
     assert [r.info.worker_id for r in await store.list_workers()] == ["w1"]
-    await harness.advance(0.9)
+    await harness.advance(ttl + 0.5 - step)  # past the heartbeat's TTL
     assert await store.list_workers() == []
-    assert await store.heartbeat("w1", WorkerLoad(), ttl=0.8) is False
+    assert await store.heartbeat("w1", WorkerLoad(), ttl=ttl) is False
     assert await store.match_prefix(H) == {}, "an expired worker's blocks leave the index"
 
 
