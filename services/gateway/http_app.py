@@ -37,8 +37,9 @@ from services.gateway.openai_requests import ChatCompletionRequest, CompletionRe
 from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper, ResponseShaper
 from services.gateway.request import OWNED_BY, GenerationRequest, salt_for_key
 from services.gateway.validation import check_choices
+from tandem.v1.errors import kind_named
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+CLIENT_CLOSED_REQUEST = kind_named("Cancelled").http_status  # the client left before the response
 
 T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
