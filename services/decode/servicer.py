@@ -1,11 +1,12 @@
 """DecodeService and KvTransferService of a decode worker: block reservations, KV import, and
 admission of each request into the running batch at the next iteration once its KV is complete.
 
-A request's life here: Reserve (blocks allocated, owned by no sequence) -> Push (each chunk's
-bytes written straight into those blocks, outside the engine thread: nothing else touches them)
--> admit_imported at the next iteration boundary -> one token per iteration on the ReportTokens
-stream -> blocks freed when it finishes. Release, Abort and the reservation's TTL free the
-blocks at any point; once a reservation is cancelled no further chunk is written into it.
+A request's life here: Reserve (the runtime's KV hand-off allocates its blocks) -> Push (each
+chunk written into them as it arrives) -> admitted at the next iteration boundary -> one token per
+iteration on the ReportTokens stream -> blocks freed when it finishes. Release, Abort and the
+reservation's TTL free the blocks at any point. The blocks and their state are the hand-off's
+(services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's
+trace context (the decode span's parent) and the reservation's TTL.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
 from services.common.wire import abort_ids
 from services.runtime.block_manager import NoFreeBlocksError
+from services.runtime.kv_handoff import Reservation
 from services.runtime.kv_transfer import KvChunk
 from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest
@@ -41,18 +43,12 @@ RETRY_AFTER_S = 1.0
 
 
 @dataclass(slots=True)
-class Reservation:
-    request_id: str
-    block_ids: list[int]
-    trace_context: Context  # of the Reserve call (the scheduler's span): the decode span's parent
-    expiry: asyncio.TimerHandle | None = None
-    receiving: bool = False
-    cancelled: bool = False
+class Waiting:
+    """What the wire adds to a reservation until its KV is admitted."""
 
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.expiry is not None:
-            self.expiry.cancel()
+    reservation: Reservation
+    trace_context: Context  # of the Reserve call (the scheduler's span): the decode span's parent
+    expiry: asyncio.TimerHandle
 
 
 @dataclass(slots=True)
@@ -68,7 +64,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                      kv_transfer_pb2_grpc.KvTransferServiceServicer):
     def __init__(self) -> None:
         super().__init__()
-        self._reservations: dict[str, Reservation] = {}
+        self._waiting: dict[str, Waiting] = {}
         self._spans = RequestSpans()  # decode.request of each admitted request
 
     # -- RoleServicer -----------------------------------------------------------------------
@@ -77,18 +73,14 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         self._spans.on_step(step)
 
     async def abort_all(self, reason: str) -> None:
-        ids = [*self._reservations, *self.runtime.batcher.requests]
+        ids = [*self.runtime.handoff.request_ids(), *self.runtime.batcher.requests]
         if ids:
             log.warning("aborting %d request(s): %s", len(ids), reason)
             await self._abort(ids)
 
     @property
-    def reserved_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self._reservations.values())
-
-    @property
     def num_pending(self) -> int:
-        return len(self._reservations)
+        return self.runtime.handoff.num_in_flight
 
     # -- reservations -----------------------------------------------------------------------
 
@@ -107,22 +99,21 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             raise InvalidRequest("ttl_ms", f"must be in [0, {MAX_RESERVATION_TTL_MS}] (0: the default, "
                                            f"{DEFAULT_RESERVATION_TTL_S:.0f} s), got {request.ttl_ms}")
         try:
-            block_ids, free = await self.runtime.loop.call(
-                lambda e: (e.reserve(rid, request.num_tokens), e.blocks.num_free_blocks))
+            reservation, free = await self.runtime.loop.call(
+                lambda e: (self.runtime.handoff.reserve(rid, request.num_tokens), e.blocks.num_free_blocks))
         except NoFreeBlocksError as exc:
             raise Overloaded(f"decode worker {self.runtime.worker_id} cannot reserve KV for request {rid}: {exc}",
                              retry_after=RETRY_AFTER_S) from exc
         except ValueError as exc:
             raise InvalidRequest("request_id", str(exc)) from exc
-        reservation = Reservation(rid, block_ids, extract_context(context.invocation_metadata()))
         ttl = request.ttl_ms / 1000 if request.ttl_ms > 0 else DEFAULT_RESERVATION_TTL_S
-        reservation.expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
-        self._reservations[rid] = reservation
-        return worker_pb2.ReserveResponse(block_ids=block_ids, free_blocks=free,
+        expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid, reservation)
+        self._waiting[rid] = Waiting(reservation, extract_context(context.invocation_metadata()), expiry)
+        return worker_pb2.ReserveResponse(block_ids=reservation.block_ids, free_blocks=free,
                                           block_size=engine.blocks.block_size)
 
     async def Release(self, request: worker_pb2.ReleaseRequest, context) -> worker_pb2.ReleaseResponse:
-        reservation = self._reservations.get(request.request_id)
+        reservation = self.runtime.handoff.reservation(request.request_id)
         if reservation is None:
             return worker_pb2.ReleaseResponse(released_blocks=0)
         await self._abort([request.request_id])
@@ -131,27 +122,26 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted_ids=await self._abort(abort_ids(request)))
 
-    def _expire(self, rid: str) -> None:
+    def _expire(self, rid: str, reservation: Reservation) -> None:
+        waiting = self._waiting.get(rid)
+        if waiting is not None and waiting.reservation is reservation:
+            del self._waiting[rid]
+        if self.runtime.handoff.reservation(rid) is not reservation:
+            return  # freed meanwhile (the worker dropped all its requests)
         log.warning("reservation of request %s expired before its KV arrived; freeing its blocks", rid)
-        self._drop_reservations([rid])
-        asyncio.ensure_future(self.abort_requests([rid]))
+        asyncio.ensure_future(self._abort([rid]))
 
     async def _abort(self, request_ids) -> list[str]:
-        known = self._drop_reservations(request_ids)
         for rid in request_ids:
+            self._forget_waiting(rid)
             self._spans.end(rid, "abort")
-        in_engine = await self.abort_requests(request_ids)
-        return list(dict.fromkeys([*known, *in_engine]))
+        return await self.abort_requests(request_ids)
 
-    def _drop_reservations(self, request_ids) -> list[str]:
-        """Cancels the reservations (no chunk is written into them after this) before the engine frees them."""
-        dropped = []
-        for rid in request_ids:
-            reservation = self._reservations.pop(rid, None)
-            if reservation is not None:
-                reservation.cancel()
-                dropped.append(rid)
-        return dropped
+    def _forget_waiting(self, rid: str) -> Waiting | None:
+        waiting = self._waiting.pop(rid, None)
+        if waiting is not None:
+            waiting.expiry.cancel()
+        return waiting
 
     # -- KV transfer ------------------------------------------------------------------------
 
@@ -169,7 +159,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 received = await self._import_all(reservation, first, request_iterator)
             except BaseException:  # a partial KV is useless: free the blocks (also when the sender went away)
                 if not reservation.cancelled:
-                    self._drop_reservations([rid])
+                    self._forget_waiting(rid)
                     asyncio.ensure_future(self.abort_requests([rid]))
                 raise
             seconds = time.monotonic() - started
@@ -182,7 +172,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     def _receiving(self, first: kv_transfer_pb2.KvChunk) -> tuple[Reservation, SamplingParams]:
         """The reservation a stream fills, once its header checks out (nothing is written before)."""
         rid = first.request_id
-        reservation = self._reservations.get(rid)
+        reservation = self.runtime.handoff.reservation(rid)
         if reservation is None:
             raise NotFound(f"no reservation for request {rid!r} on decode worker {self.runtime.worker_id}: "
                            "it expired, was aborted, or was never made; Reserve before Push")
@@ -220,7 +210,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         chunk = KvChunk(message.layer, message.first_block, message.num_blocks, message.dtype,
                         tuple(message.shape), message.data)
         try:
-            self.runtime.engine.import_chunk(reservation.request_id, chunk)
+            self.runtime.handoff.import_chunk(reservation, chunk)
         except ValueError as exc:
             raise InvalidRequest("chunk", str(exc)) from exc
         received.chunks += 1
@@ -237,13 +227,12 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         tracked = TrackedRequest(rid, len(header.prompt_token_ids), logprobs=params.logprobs is not None,
                                  cached_tokens=header.cached_tokens, timings=timings)
         tracked.started_ns = tracked.first_token_ns = time.time_ns()
-        self._reservations.pop(rid, None)
-        if reservation.expiry is not None:
-            reservation.expiry.cancel()
+        waiting = self._forget_waiting(rid)
+        assert waiting is not None  # an abort would have cancelled the reservation
         self.runtime.batcher.track(tracked)
-        self._spans.start(SpanName.DECODE, rid, reservation.trace_context, prefilling=False)
+        self._spans.start(SpanName.DECODE, rid, waiting.trace_context, prefilling=False)
         try:
-            await self.runtime.loop.call(lambda engine: engine.admit_imported(
+            await self.runtime.loop.call(lambda engine: self.runtime.handoff.admit(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
                 header.cache_salt))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from services.common.blocks import ceil_div
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -31,7 +30,7 @@ from services.common.grpc_server import remaining_timeout
 from services.common.tracing import Attr, Event, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
 from services.runtime.engine import RequestOutput
-from services.runtime.kv_transfer import KvChunk, blocks_per_chunk
+from services.runtime.kv_transfer import KvChunk
 from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
 from services.worker.request_spans import trace_iteration
@@ -134,7 +133,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             if output is not None and not is_final(output.finish_reason) and not job.aborted:
                 await self._ship(request, job, output, context)
                 if not job.aborted:  # else the abort freed the blocks
-                    await self.runtime.loop.call(lambda engine: engine.release_prefilled(rid))
+                    await self.runtime.loop.call(lambda engine: self.runtime.handoff.release_export(rid))
             done = True
         finally:
             self._jobs.pop(rid, None)
@@ -164,14 +163,14 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
         try:
-            chunks = await self.runtime.loop.call(lambda engine: engine.export_request(rid, max_bytes))
+            export = await self.runtime.loop.call(lambda engine: self.runtime.handoff.export(rid, max_bytes))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
-        header = self._header(request, job, output, max_bytes)
+        header = self._header(request, job, output, export.num_chunks)
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
         started = time.monotonic()
         with tracer.start_as_current_span(SpanName.KV_SEND, attributes={Attr.KV_PEER: request.decode_address}) as span:
-            job.push = stub.Push(self._messages(rid, header, chunks, job.transfer),
+            job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer),
                                  timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                  metadata=(*inject_metadata(), *self._channels.metadata))
             ack = await self._await_push(job, request.decode_address)
@@ -200,17 +199,15 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 return None
             raise _transfer_error(error, address) from error
 
-    def _header(self, request, job: PrefillJob, output: RequestOutput, max_bytes: int) -> kv_transfer_pb2.KvRequestHeader:
-        engine = self.runtime.engine
-        num_blocks = engine.blocks_for_tokens(len(request.token_ids))
-        per_chunk = blocks_per_chunk(engine.cache, max_bytes)
+    @staticmethod
+    def _header(request, job: PrefillJob, output: RequestOutput, num_chunks: int) -> kv_transfer_pb2.KvRequestHeader:
         return kv_transfer_pb2.KvRequestHeader(
             prompt_token_ids=request.token_ids,
             output_token_ids=output.new_token_ids,
             sampling=request.sampling,
             seed=request.seed,
             cache_salt=request.cache_salt,
-            num_chunks=engine.cache.num_layers * ceil_div(num_blocks, per_chunk),
+            num_chunks=num_chunks,
             cached_tokens=output.num_cached_tokens,
             timings=job.tracked.timings,
         )

@@ -1,13 +1,13 @@
 """The in-process engine: requests in, tokens out, one iteration per `step()`.
 
-Colocated mode runs it alone; a prefill worker runs it with `stop_after_prefill` and exports
-each request's KV after the first token; a decode worker reserves blocks, imports KV into them
-and admits the request to its running batch at the next step.
+Colocated mode runs it alone; a prefill worker runs it with `stop_after_prefill`, and a decode
+worker admits requests whose KV was imported. Moving KV between engines is the hand-off's
+(services/runtime/kv_handoff.py); the engine only gives up a prefilled sequence and takes in an
+imported one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,6 @@ from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
 from services.runtime.block_manager import BlockManager
 from services.runtime.kv_cache import PagedKVCache
-from services.runtime.kv_transfer import KvChunk, export_kv, import_kv
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
 from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed
@@ -93,7 +92,6 @@ class Engine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
-        self._reserved: dict[str, list[int]] = {}
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -122,13 +120,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Drops the request wherever it is and frees its blocks at once; False if unknown."""
-        reserved = self._reserved.pop(request_id, None)
-        if reserved is not None:
-            self.blocks.release(reserved)
+        """Drops the request wherever it is in the engine and frees its blocks at once; False if unknown."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            return reserved is not None
+            return False
         self.scheduler.remove(seq)
         self.scheduler.release_blocks(seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
@@ -215,7 +210,7 @@ class Engine:
         return SequenceStatus.RUNNING
 
     def _check_new(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._requests or request_id in self._reserved:
+        if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty; a request needs at least one prompt token")
@@ -227,72 +222,25 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         params.validate()
 
-    # -- disaggregation: the prefill side ---------------------------------------------------
+    # -- the KV hand-off (services/runtime/kv_handoff.py) ----------------------------------
 
-    def prefilled(self, request_id: str) -> Sequence:
+    def take_prefilled(self, request_id: str) -> Sequence:
+        """Hands a prefilled request (first token sampled, blocks held) over; the engine forgets it."""
         seq = self._requests.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV to export")
-        return seq
-
-    def detach(self, request_id: str) -> Sequence:
-        """Takes a running request out of the batch, keeping its KV for export (migration)."""
-        seq = self._requests.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
-            raise KeyError(f"request {request_id!r} is not decoding; only a decoding request can be detached")
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.PREFILLED
-        return seq
-
-    def export_request(self, request_id: str, max_chunk_bytes: int = 1 << 20) -> Iterator[KvChunk]:
-        """The KV of every computed token of a prefilled or detached request, layer by layer.
-
-        Call `release_prefilled` after the last chunk is sent.
-        """
-        seq = self.prefilled(request_id)
-        num_blocks = self.blocks_for_tokens(seq.num_computed_tokens)
-        return export_kv(self.cache, seq.block_table[:num_blocks], max_chunk_bytes)
-
-    def release_prefilled(self, request_id: str) -> None:
-        """Frees the exported request's blocks; its full blocks stay in the prefix cache."""
-        seq = self.prefilled(request_id)
-        self.scheduler.release_blocks(seq)
         del self._requests[request_id]
-        seq.status = SequenceStatus.FINISHED_STOPPED
+        return seq
 
-    # -- disaggregation: the decode side ----------------------------------------------------
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (imported) decodes from the next step on."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self._requests[seq.request_id] = seq
+        self.scheduler.add_running(seq)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.blocks.block_size)
-
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Allocates the blocks for a request's `num_tokens` tokens (imported KV plus the last sampled token)."""
-        if request_id in self._requests or request_id in self._reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        block_ids = self.blocks.allocate(self.blocks_for_tokens(num_tokens))
-        self.cache.initialize(block_ids)
-        self._reserved[request_id] = block_ids
-        return block_ids
-
-    def import_chunk(self, request_id: str, chunk: KvChunk) -> None:
-        if request_id not in self._reserved:
-            raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before sending KV")
-        import_kv(self.cache, self._reserved[request_id], chunk)
-
-    def admit_imported(
-        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-        params: SamplingParams, seed: int, salt: str = "",
-    ) -> None:
-        """Starts decoding a request whose KV (all tokens but the last) was imported, from the next step on."""
-        block_ids = self._reserved.pop(request_id, None)
-        if block_ids is None:
-            raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before admitting")
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt=salt,
-                       token_ids=list(prompt_token_ids) + list(output_token_ids))
-        seq.block_table = block_ids
-        seq.num_computed_tokens = seq.num_tokens - 1
-        self._requests[request_id] = seq
-        self.scheduler.add_running(seq)
 
 
 def _work(chunk: ScheduledChunk) -> IterationWork:

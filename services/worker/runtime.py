@@ -19,6 +19,7 @@ import grpc
 from services.common.metrics import ServiceMetrics
 from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.runtime.engine import Engine
+from services.runtime.kv_handoff import KvHandoff
 from services.worker.block_reporter import BlockReporter
 from services.worker.engine_loop import EngineLoop, EngineSnapshot, StepResult
 from services.worker.events import TokenBatcher
@@ -37,10 +38,6 @@ class RoleServicer(Protocol):
 
     async def abort_all(self, reason: str) -> None:
         """Drop every request (the scheduler failed them: stream lost or registration expired)."""
-
-    @property
-    def reserved_blocks(self) -> int:
-        """Blocks held for KV transfers not yet complete (decode workers)."""
 
     @property
     def num_pending(self) -> int:
@@ -80,6 +77,7 @@ class WorkerRuntime:
         report_blocks: bool = True,
     ) -> None:
         self.engine = engine
+        self.handoff = KvHandoff(engine)
         self.identity = identity
         self.metrics = metrics
         self.counters = WorkerCounters()
@@ -130,6 +128,21 @@ class WorkerRuntime:
         snapshot = self.loop.snapshot
         pending = self._servicer.num_pending if self._servicer is not None else 0
         return bool(snapshot.running or snapshot.waiting or pending or self.batcher.requests)
+
+    async def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Drops the requests wherever they are (reservation, engine, export), freeing their blocks
+        at once; returns the ones this worker held."""
+        ids = list(dict.fromkeys(request_ids))
+        for request_id in ids:
+            self.batcher.forget(request_id)
+            self.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
+        if not ids:
+            return []
+        return await self.loop.call(lambda engine: [r for r in ids if self._drop(engine, r)])
+
+    def _drop(self, engine: Engine, request_id: str) -> bool:
+        freed = self.handoff.free(request_id)
+        return engine.abort(request_id) or freed
 
     # -- engine steps -----------------------------------------------------------------------
 
@@ -218,7 +231,7 @@ class WorkerRuntime:
             running=snapshot.running,
             waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
             queued_prefill_tokens=snapshot.queued_prefill_tokens,
-            reserved_blocks=servicer.reserved_blocks if servicer is not None else 0,
+            reserved_blocks=self.handoff.reserved_blocks,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -233,7 +246,7 @@ class WorkerRuntime:
             free_blocks=snapshot.allocatable_blocks - snapshot.cached_blocks,
             cached_blocks=snapshot.cached_blocks,
             referenced_blocks=snapshot.referenced_blocks,
-            reserved_blocks=servicer.reserved_blocks if servicer is not None else 0,
+            reserved_blocks=self.handoff.reserved_blocks,
             running=snapshot.running,
             waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
             iterations=snapshot.iterations,

@@ -48,10 +48,6 @@ class WorkerServicerBase:
             await self.abort_requests(ids)
 
     @property
-    def reserved_blocks(self) -> int:
-        return 0
-
-    @property
     def num_pending(self) -> int:
         return 0
 
@@ -61,13 +57,8 @@ class WorkerServicerBase:
         return self.runtime.stats()
 
     async def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Aborts the requests in the engine (freeing their blocks at once); returns the ones it held."""
-        ids = list(dict.fromkeys(request_ids))
-        for request_id in ids:
-            self.runtime.batcher.forget(request_id)
-        if not ids:
-            return []
-        return await self.runtime.loop.call(lambda engine: [r for r in ids if engine.abort(r)])
+        """Aborts the requests wherever the worker holds them (freeing their blocks at once); returns those."""
+        return await self.runtime.abort(request_ids)
 
 
 def check_request(request_id: str, token_ids: Iterable[int]) -> None:

@@ -1,11 +1,14 @@
 """Greedy output of the in-process engine equals HF transformers, token for token, under every
-batching condition: plain, chunked prefill, prefix-cache hits, preemption, and KV migration."""
+batching condition: plain, chunked prefill, prefix-cache hits, preemption, and the KV hand-off
+from a prefill engine to a decode engine."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.common.blocks import ceil_div
 from services.runtime.engine import Engine, EngineConfig
+from services.runtime.kv_handoff import KvHandoff
 from services.runtime.sampler import SamplingParams
 from services.runtime.sequence import FinishReason
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
@@ -82,30 +85,35 @@ def test_preemption_by_recompute_matches_hf(default_model_dir, parity_prompts, p
     assert_no_referenced_blocks(engine)
 
 
-def test_kv_export_import_mid_generation_matches_hf(default_model_dir, parity_prompts, parity_references):
+def test_kv_handoff_from_a_prefill_engine_matches_hf(default_model_dir, parity_prompts, parity_references):
     source, target = make_engine(default_model_dir), make_engine(default_model_dir)
-    handed_off = 10
-    tokens: dict[str, list[int]] = {}
+    exporter, importer = KvHandoff(source), KvHandoff(target)
+    tokens: dict[str, list[int]] = {f"m-{i}": [] for i in range(len(parity_prompts))}
+    prefilled: list[str] = []
     for i, prompt in enumerate(parity_prompts):
-        source.add_request(f"m-{i}", prompt, GREEDY)
-        tokens[f"m-{i}"] = []
-    for _ in range(handed_off):
+        source.add_request(f"m-{i}", prompt, GREEDY, stop_after_prefill=True, seed=7)
+    while source.has_unfinished():
         for out in source.step():
             tokens[out.request_id].extend(out.new_token_ids)
-    moving = [rid for rid in tokens if source.has_request(rid)]
-    assert len(moving) >= 6, "most prompts should still be decoding after 10 steps"
-    for rid in moving:
-        seq = source.detach(rid)
-        block_ids = target.reserve(rid, seq.num_tokens)
-        for chunk in source.export_request(rid, max_chunk_bytes=64 * 1024):
-            target.import_chunk(rid, chunk)
-        target.admit_imported(rid, seq.prompt_token_ids, seq.output_token_ids, seq.params, seq.seed)
-        source.release_prefilled(rid)
-        assert len(block_ids) == -(-seq.num_tokens // 16)
-    while target.has_unfinished() or source.has_unfinished():
-        for out in source.step() + target.step():
+            if out.finish_reason is FinishReason.PREFILLED:
+                prefilled.append(out.request_id)
+    assert len(prefilled) == len(parity_prompts) - 1  # the one whose first token is EOS ends on the prefill side
+    for rid in prefilled:
+        prompt = parity_prompts[int(rid.split("-")[1])]
+        reservation = importer.reserve(rid, len(prompt) + 1)
+        export = exporter.export(rid, max_chunk_bytes=64 * 1024)
+        chunks = list(export.chunks)
+        assert export.num_chunks == len(chunks) and export.num_blocks == ceil_div(len(prompt), 16)
+        for chunk in chunks:
+            assert importer.import_chunk(reservation, chunk)
+        importer.admit(rid, prompt, tokens[rid], GREEDY, seed=7)
+        exporter.release_export(rid)
+        assert len(reservation.block_ids) == ceil_div(len(prompt) + 1, 16)
+    assert importer.reserved_blocks == 0 and exporter.num_in_flight == 0
+    while target.has_unfinished():
+        for out in target.step():
             tokens[out.request_id].extend(out.new_token_ids)
-    assert_all_match([tokens[f"m-{i}"] for i in range(len(parity_prompts))], parity_references, "migrated")
+    assert_all_match([tokens[f"m-{i}"] for i in range(len(parity_prompts))], parity_references, "handed off")
     assert_no_referenced_blocks(source)
     assert_no_referenced_blocks(target)
 
@@ -130,7 +138,7 @@ def test_abort_frees_blocks_at_once(default_model_dir, parity_prompts):
     engine = make_engine(default_model_dir)
     engine.add_request("a", parity_prompts[2], GREEDY)
     engine.step()
-    assert engine.blocks.num_referenced_blocks == -(-(len(parity_prompts[2]) + 0) // 16)
+    assert engine.blocks.num_referenced_blocks == ceil_div(len(parity_prompts[2]), 16)
     assert engine.abort("a")
     assert engine.blocks.num_referenced_blocks == 0
     assert not engine.has_unfinished()

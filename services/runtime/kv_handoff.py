@@ -1,0 +1,163 @@
+"""The KV hand-off between engines: the one owner of the blocks a request's KV occupies while it
+crosses from a prefill engine to a decode engine.
+
+Prefill side: `export` takes a prefilled request (first token sampled) out of the engine with
+its blocks and says how many chunks its KV makes -> the chunks are read and shipped ->
+`release_export` frees the blocks (full ones stay in the prefix cache).
+Decode side: `reserve` allocates blocks owned by no sequence -> `import_chunk` writes each chunk
+into them -> `admit` starts decoding the request at the next step. `cancel` then `free` drop a
+reservation or an export at any point.
+
+Threads. Only the engine thread touches the engine: `reserve`, `admit`, `free`, `export` and
+`release_export` allocate or free blocks or change the batch, so they run there. Chunk bytes are
+the one exception, and it lives here: `import_chunk` and an export's chunks touch only blocks this
+object holds, which no running sequence references, so the copies run outside the engine thread
+(imports on the worker's event loop, exports in a copy thread) and overlap the model's steps.
+`cancel` runs on the thread that imports, so no chunk is written into a reservation after it; its
+blocks go back to the engine only later, in `free`. A lock guards the bookkeeping across threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from services.common.blocks import ceil_div
+from services.runtime.engine import Engine
+from services.runtime.kv_transfer import KvChunk, blocks_per_chunk, export_kv, import_kv
+from services.runtime.sampler import SamplingParams
+from services.runtime.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks held for a request's incoming KV (all its tokens but the last)."""
+
+    request_id: str
+    block_ids: list[int]
+    receiving: bool = False  # a stream is filling it; a second one is refused
+    cancelled: bool = False  # no chunk is written after this
+    received_bytes: int = 0
+
+
+@dataclass(slots=True)
+class KvExport:
+    """A prefilled request's KV as chunks: their count is known before the first is read."""
+
+    request_id: str
+    num_blocks: int
+    num_chunks: int
+    chunks: Iterator[KvChunk]
+
+
+class KvHandoff:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._reservations: dict[str, Reservation] = {}
+        self._exports: dict[str, Sequence] = {}
+
+    # -- the prefill side (engine thread) ---------------------------------------------------
+
+    def export(self, request_id: str, max_chunk_bytes: int) -> KvExport:
+        """The KV of every computed token of a prefilled request, layer by layer, in chunks of at
+        most `max_chunk_bytes`; ValueError (nothing changes) when one block of one layer is larger."""
+        cache = self.engine.cache
+        per_chunk = blocks_per_chunk(cache, max_chunk_bytes)
+        seq = self.engine.take_prefilled(request_id)
+        with self._lock:
+            self._exports[request_id] = seq
+        block_ids = seq.block_table[: self.engine.blocks_for_tokens(seq.num_computed_tokens)]
+        return KvExport(request_id, len(block_ids), cache.num_layers * ceil_div(len(block_ids), per_chunk),
+                        export_kv(cache, block_ids, max_chunk_bytes))
+
+    def release_export(self, request_id: str) -> None:
+        """Frees the shipped request's blocks; its full blocks stay in the prefix cache."""
+        with self._lock:
+            seq = self._exports.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} has no exported KV to release")
+        self.engine.scheduler.release_blocks(seq)
+
+    # -- the decode side --------------------------------------------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> Reservation:
+        """Allocates the blocks for a request's `num_tokens` tokens (imported KV plus the last
+        sampled token). Engine thread; NoFreeBlocksError when they are not free now."""
+        with self._lock:
+            in_use = request_id in self._reservations or request_id in self._exports
+        if in_use or self.engine.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        block_ids = self.engine.blocks.allocate(self.engine.blocks_for_tokens(num_tokens))
+        self.engine.cache.initialize(block_ids)
+        reservation = Reservation(request_id, block_ids)
+        with self._lock:
+            self._reservations[request_id] = reservation
+        return reservation
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        with self._lock:
+            return self._reservations.get(request_id)
+
+    def import_chunk(self, reservation: Reservation, chunk: KvChunk) -> bool:
+        """Writes one chunk into the reserved blocks; False (nothing written) once cancelled.
+        ValueError when the chunk does not fit this cache or the reservation."""
+        if reservation.cancelled:
+            return False
+        import_kv(self.engine.cache, reservation.block_ids, chunk)
+        reservation.received_bytes += len(chunk.data)
+        return True
+
+    def admit(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+              params: SamplingParams, seed: int, salt: str = "") -> None:
+        """Starts decoding a request whose KV (all tokens but the last) was imported, from the next
+        step on. Engine thread; KeyError when its reservation is gone (cancelled meanwhile)."""
+        with self._lock:
+            reservation = self._reservations.get(request_id)
+            if reservation is None or reservation.cancelled:
+                raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before admitting")
+            del self._reservations[request_id]
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt=salt,
+                       token_ids=list(prompt_token_ids) + list(output_token_ids))
+        seq.block_table = reservation.block_ids
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.engine.add_running(seq)
+
+    # -- either side ------------------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> Reservation | None:
+        """Stops imports into the request's reservation at once (on the importing thread); call
+        `free` in the engine thread to return its blocks."""
+        with self._lock:
+            reservation = self._reservations.get(request_id)
+        if reservation is not None:
+            reservation.cancelled = True
+        return reservation
+
+    def free(self, request_id: str) -> bool:
+        """Returns the blocks of the request's reservation or export (engine thread); False if it has neither."""
+        with self._lock:
+            reservation = self._reservations.pop(request_id, None)
+            seq = self._exports.pop(request_id, None)
+        if reservation is not None:
+            reservation.cancelled = True
+            self.engine.blocks.release(reservation.block_ids)
+        if seq is not None:
+            self.engine.scheduler.release_blocks(seq)
+        return reservation is not None or seq is not None
+
+    @property
+    def reserved_blocks(self) -> int:
+        with self._lock:
+            return sum(len(r.block_ids) for r in self._reservations.values())
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose KV is crossing: reserved here, or exported and not yet released."""
+        with self._lock:
+            return len(self._reservations) + len(self._exports)
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return [*self._reservations, *self._exports]
