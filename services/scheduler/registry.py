@@ -7,9 +7,11 @@ StoreUnavailable the registry routes from it, without prefix hits, and is `degra
 store alone for STORE_RETRY_S (a hung Redis would cost its timeout on every request) and recovers
 at the first store call that succeeds after. A store that comes back empty (Redis restarted) is
 refilled from the mirror at each worker's next heartbeat, so no worker is told to register again,
-which would make it drop its running requests. A restarted scheduler finds the workers in the store
-and fills its mirror from the store's record at each one's first heartbeat, so it routes them
-through a later outage of the store too. Block reports made while the store is down are lost.
+which would make it drop its running requests. A restarted scheduler finds the workers in the store;
+at each one's first heartbeat it adopts the record it listed into its mirror, so a worker it may
+have routed requests to is never told to register again because the store's entry lapsed while
+the scheduler was down, and it keeps routing to it through a later outage of the store. Block
+reports made while the store is down are lost.
 
 A decode worker that refused a Reserve for lack of blocks counts as full (no free blocks) until it
 reports its load again: its last report was too hopeful, and routing waits for a fresh one.
@@ -63,12 +65,10 @@ class WorkerRegistry:
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Renew a worker; False when it must register again (unknown here, lapsed, or dropped)."""
-        seen = self._fresh(worker_id)
         if worker_id in self._dropped:
             return False
+        seen = self._fresh(worker_id) or self._adopt(worker_id)
         ok, known = await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
-        if ok and known and seen is None:
-            seen = await self._adopt(worker_id)
         if not (ok and known):  # the store is down or lost it: the local mirror decides (and refills it)
             known = seen is not None
             if known and ok:
@@ -81,10 +81,10 @@ class WorkerRegistry:
                 self._live[worker_id] = seen.record
         return bool(known)
 
-    async def _adopt(self, worker_id: str) -> _Seen | None:
-        """The mirror entry of a worker the store knows and this scheduler did not (it restarted)."""
-        ok, listed = await self._store_call(self.store.list_workers)
-        record = next((r for r in listed or () if r.info.worker_id == worker_id), None) if ok else None
+    def _adopt(self, worker_id: str) -> _Seen | None:
+        """A mirror entry for a worker that the last listing took from the store and this scheduler
+        never heard from itself (it restarted); None for one it does not list."""
+        record = self._live.get(worker_id)
         if record is None:
             return None
         seen = self._seen[worker_id] = _Seen(record, self._clock())

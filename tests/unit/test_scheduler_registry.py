@@ -108,3 +108,14 @@ async def test_a_restarted_scheduler_adopts_the_stores_workers_at_their_heartbea
     store.down = True
     records = await registry.live_workers()  # p-0 never heartbeated here: only the store knew it
     assert [(r.info.worker_id, r.info.role, r.load.free_blocks) for r in records] == [("d-0", WorkerRole.DECODE, 7)]
+
+
+async def test_a_listed_worker_whose_store_entry_lapsed_while_the_scheduler_restarted_is_not_sent_away():
+    clock, store, before = setup()
+    await before.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    registry = WorkerRegistry(store, TTL, clock)  # restarted; routes to d-0 from the store's listing
+    assert await ids(registry) == ["d-0"]
+    await store.remove_worker("d-0")  # its entry lapsed before its heartbeat reached the new scheduler
+    assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=3)) is True  # not told to register again
+    assert [(r.info.worker_id, r.load.free_blocks) for r in await store.list_workers()] == [("d-0", 3)]
+    assert await registry.heartbeat("x-9", WorkerLoad()) is False  # one never listed must register
