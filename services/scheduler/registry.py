@@ -13,6 +13,12 @@ have routed requests to is never told to register again because the store's entr
 the scheduler was down, and it keeps routing to it through a later outage of the store. Block
 reports made while the store is down are lost.
 
+A worker id belongs to the worker that registered it while that one is live: a registration
+under a live worker's id with other info (address, role, model, cache geometry) is refused with
+FailedPrecondition, since heartbeats carry load, not identity, and the real worker's heartbeats
+would keep an impostor's record alive. The same info may register again at any time (the worker
+restarted, or this scheduler forgot it); other info may once the live record lapses or is dropped.
+
 A decode worker that refused a Reserve for lack of blocks counts as full (no free blocks) until it
 reports its load again: its last report was too hopeful, and routing waits for a fresh one.
 """
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from services.common.block_hash import BlockHash
+from services.common.errors import FailedPrecondition
 from services.common.store import Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,14 @@ class WorkerRegistry:
         self._retry_at = 0.0
 
     async def register(self, info: WorkerInfo, load: WorkerLoad) -> None:
-        """Add or replace a worker; it is live at once (also while the store is down)."""
+        """Add a worker, or replace one registering again with the same info; it is live at once (also
+        while the store is down). FailedPrecondition when a live worker holds the id with other info."""
+        holder = await self._live_record(info.worker_id)
+        if holder is not None and holder.info != info:
+            raise FailedPrecondition(
+                f"worker id {info.worker_id!r} belongs to a live {holder.info.role} worker at "
+                f"{holder.info.address} serving {holder.info.model!r}; give this worker another id, or stop "
+                f"that one and register again once its heartbeat lapses ({self.ttl:g} s)")
         self._dropped.discard(info.worker_id)
         self._full.discard(info.worker_id)
         record = WorkerRecord(info, load)
@@ -89,6 +103,20 @@ class WorkerRegistry:
             return None
         seen = self._seen[worker_id] = _Seen(record, self._clock())
         return seen
+
+    async def _stored(self, worker_id: str) -> WorkerRecord | None:
+        """The store's live record of the worker; None when it has none or is down."""
+        ok, listed = await self._store_call(self.store.list_workers)
+        return next((r for r in listed or () if r.info.worker_id == worker_id), None) if ok else None
+
+    async def _live_record(self, worker_id: str) -> WorkerRecord | None:
+        """The record of a live worker under this id: the local mirror's, else the store's (this
+        scheduler restarted); None when it was dropped, lapsed, or is unknown."""
+        if worker_id in self._dropped:
+            return None
+        if (seen := self._fresh(worker_id)) is not None:
+            return seen.record
+        return await self._stored(worker_id)
 
     def forget(self, worker_id: str) -> None:
         """Stop routing to a worker (deregistered, lost) until it registers again. Call unregister()

@@ -6,7 +6,7 @@ have lapsed (3 s TTL) the mesh serves the reference request's exact tokens and i
 
 An authenticated caller may register invented workers, at bogus addresses or at a real worker's;
 the mesh must survive that, not prevent it. Speaking for a live worker (its id) is tested on its
-own: the scheduler believes the last registration under an id (see the xfail below). Requests use
+own: the scheduler refuses a registration under a live worker's id with other info. Requests use
 a small pool of ids so that calls meet each other's reservations, and every id of the pool is
 aborted everywhere after each test.
 """
@@ -247,22 +247,15 @@ def test_kv_push_into_a_reservation_never_faults(mesh, reference, targets, real_
     assert_still_serving(mesh, reference)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the scheduler believes the last RegisterWorker under an id: one naming a live decode worker with "
-    "another model replaces its record, the real worker's heartbeats keep that record alive (they "
-    "carry load, not identity), and no request finds a decode worker for the served model until the "
-    "record is deregistered"))
 def test_a_registration_under_a_live_workers_id_does_not_stop_serving(mesh, reference, targets, real_workers):
     scheduler = scheduler_pb2_grpc.SchedulerServiceStub(targets["scheduler"].channel)
     decode = next(s.info for s in mesh.scheduler_stats().workers if s.info.role == common_pb2.WORKER_ROLE_DECODE)
     impostor = scheduler_pb2.WorkerInfo()
     impostor.CopyFrom(decode)
     impostor.model = "impostor"
-    scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=impostor), timeout=INTERNAL_TIMEOUT_S,
-                             metadata=mesh.internal_metadata)
-    try:
-        assert_still_serving(mesh, reference)
-    finally:  # the real worker registers again once its heartbeat is refused
-        scheduler.DeregisterWorker(scheduler_pb2.DeregisterWorkerRequest(worker_id=decode.worker_id),
-                                   timeout=INTERNAL_TIMEOUT_S, metadata=mesh.internal_metadata)
-        recover(mesh, targets, real_workers)
+    with pytest.raises(grpc.RpcError) as refused:
+        scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=impostor), timeout=INTERNAL_TIMEOUT_S,
+                                 metadata=mesh.internal_metadata)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert registered(mesh) == real_workers
+    assert_still_serving(mesh, reference)

@@ -1,9 +1,15 @@
 """The worker registry: TTL heartbeats (fake clock), dropped workers, and the degraded mode when
-the store raises StoreUnavailable: last known workers, no prefix hits, recovery, refill."""
+the store raises StoreUnavailable: last known workers, no prefix hits, recovery, refill; a worker id
+held by a live worker refuses a registration with other info."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from services.common.block_hash import hash_chain
+from services.common.errors import FailedPrecondition
 from services.common.store import WorkerInfo, WorkerLoad, WorkerRole
 from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
 from tests.flaky_store import FlakyStore
@@ -119,3 +125,37 @@ async def test_a_listed_worker_whose_store_entry_lapsed_while_the_scheduler_rest
     assert await registry.heartbeat("d-0", WorkerLoad(free_blocks=3)) is True  # not told to register again
     assert [(r.info.worker_id, r.load.free_blocks) for r in await store.list_workers()] == [("d-0", 3)]
     assert await registry.heartbeat("x-9", WorkerLoad()) is False  # one never listed must register
+
+
+async def test_a_registration_under_a_live_workers_id_with_other_info_is_refused_and_changes_nothing() -> None:
+    clock, store, registry = setup()
+    real = info("d-0", WorkerRole.DECODE)
+    await registry.register(real, WorkerLoad(free_blocks=5))
+    impostor = dataclasses.replace(real, model="impostor")
+    with pytest.raises(FailedPrecondition) as refused:
+        await registry.register(impostor, WorkerLoad())
+    assert str(refused.value) == (
+        f"worker id 'd-0' belongs to a live decode worker at {real.address} serving 'smol'; give this worker "
+        "another id, or stop that one and register again once its heartbeat lapses (5 s)")
+    assert [(r.info, r.load.free_blocks) for r in await registry.live_workers()] == [(real, 5)]
+    assert [r.info for r in await store.list_workers()] == [real]
+
+    registry2 = WorkerRegistry(store, TTL, clock)  # a restarted scheduler asks the store
+    with pytest.raises(FailedPrecondition):
+        await registry2.register(dataclasses.replace(real, address="127.0.0.1:1"), WorkerLoad())
+
+
+async def test_the_same_worker_may_register_again_while_live_and_another_once_the_id_is_free() -> None:
+    clock, store, registry = setup()
+    real = info("d-0", WorkerRole.DECODE)
+    await registry.register(real, WorkerLoad(free_blocks=5))
+    await registry.register(real, WorkerLoad(free_blocks=9))  # it restarted on its address
+    assert [r.load.free_blocks for r in await registry.live_workers()] == [9]
+    await WorkerRegistry(store, TTL, clock).register(real, WorkerLoad())  # after a scheduler restart
+
+    moved = dataclasses.replace(real, address="127.0.0.1:7")
+    clock.now += TTL  # its heartbeat lapsed: the id is free
+    await registry.register(moved, WorkerLoad())
+    registry.forget("d-0")  # lost or deregistered: free as well
+    await registry.register(real, WorkerLoad())
+    assert [r.info for r in await registry.live_workers()] == [real]

@@ -1,0 +1,85 @@
+"""The scheduler's ReportTokens streams: a worker is lost when the last of its open streams ends,
+so a stray stream naming a live worker's id can neither take its worker's requests down nor hide
+the real stream's batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from services.scheduler.streams import TokenStreams
+from tandem.v1 import scheduler_pb2
+from tests.waiting import eventually
+
+
+class Stream:
+    """A client's ReportTokens stream: batches put in, then end()."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
+
+    def send(self, worker_id: str, request_id: str = "") -> None:
+        events = [scheduler_pb2.TokenEvent(request_id=request_id)] if request_id else []
+        self._queue.put_nowait(scheduler_pb2.TokenBatch(worker_id=worker_id, events=events))
+
+    def end(self) -> None:
+        self._queue.put_nowait(None)
+
+    async def batches(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+        while (batch := await self._queue.get()) is not None:
+            yield batch
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, str]] = []
+        self.closed: list[tuple[str, str]] = []
+        self.streams = TokenStreams(self.on_batch, lambda worker_id, reason: self.closed.append((worker_id, reason)))
+
+    def on_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
+        self.batches += [(worker_id, e.request_id) for e in batch.events]
+
+
+async def test_a_stray_stream_naming_a_live_worker_ends_without_its_loss_and_the_real_one_still_counts() -> None:
+    seen = Recorder()
+    real, stray = Stream(), Stream()
+    real_task = asyncio.create_task(seen.streams.consume(real.batches()))
+    real.send("d-0")
+    await eventually(lambda: seen.streams.is_open("d-0"), "the real stream is open")
+    stray_task = asyncio.create_task(seen.streams.consume(stray.batches()))
+    stray.send("d-0", "forged")
+    stray.end()
+    assert await stray_task == 1
+    assert seen.closed == [] and seen.streams.is_open("d-0")
+
+    real.send("d-0", "r1")
+    await eventually(lambda: ("d-0", "r1") in seen.batches, "the real stream's batch arrived")
+    real.end()
+    assert await real_task == 2
+    assert seen.batches == [("d-0", "forged"), ("d-0", "r1")]
+    assert seen.closed == [("d-0", "its token stream closed")] and not seen.streams.is_open("d-0")
+
+
+async def test_a_worker_that_reconnects_before_its_old_stream_ends_is_lost_only_when_both_ended() -> None:
+    seen = Recorder()
+    old, new = Stream(), Stream()
+    old_task = asyncio.create_task(seen.streams.consume(old.batches()))
+    old.send("d-0")
+    new_task = asyncio.create_task(seen.streams.consume(new.batches()))
+    new.send("d-0", "r1")
+    await eventually(lambda: ("d-0", "r1") in seen.batches, "the new stream's batch arrived")
+    old.end()
+    await old_task
+    assert seen.closed == []
+    new.end()
+    await new_task
+    assert seen.closed == [("d-0", "its token stream closed")]
+
+
+async def test_a_stream_that_never_names_a_worker_loses_nothing() -> None:
+    seen = Recorder()
+    anonymous = Stream()
+    anonymous.send("")
+    anonymous.end()
+    assert await seen.streams.consume(anonymous.batches()) == 1
+    assert seen.closed == [] and seen.batches == []
