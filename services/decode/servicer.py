@@ -165,7 +165,6 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             seconds = time.monotonic() - started
             span.set_attributes(kv_transfer_attributes(received.blocks, received.bytes, received.chunks, seconds))
             admitted = not reservation.cancelled and await self._admit(reservation, first.header, params, seconds)
-        self.runtime.counters.kv_bytes_received += received.bytes
         return kv_transfer_pb2.PushAck(request_id=rid, chunks=received.chunks, bytes=received.bytes,
                                        blocks=received.blocks, duration_ms=seconds * 1000, admitted=admitted)
 

@@ -178,9 +178,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             job.transfer.duration_ms = seconds * 1000
             span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
                                                        job.transfer.chunks, seconds))
-        self.runtime.counters.kv_bytes_sent += job.transfer.bytes
         if self.runtime.metrics is not None:
-            self.runtime.metrics.kv_transfer_bytes.inc(job.transfer.bytes)
             self.runtime.metrics.kv_transfer_time.observe(seconds)
         if ack is not None and not ack.admitted and not job.aborted:
             raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "

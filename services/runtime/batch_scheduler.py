@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.common.block_hash import hash_chain
 from services.common.blocks import ceil_div
 from services.runtime.block_manager import BlockManager
+from services.runtime.counters import EngineCounters
 from services.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -39,17 +40,16 @@ class SchedulerLimits:
 
 
 class IterationScheduler:
-    def __init__(self, blocks: BlockManager, limits: SchedulerLimits,
+    def __init__(self, blocks: BlockManager, counters: EngineCounters, limits: SchedulerLimits,
                  on_allocate: Callable[[list[int]], None] = lambda block_ids: None) -> None:
-        """`on_allocate(block_ids)` sees every block handed to a sequence (the KV cache readies them)."""
+        """`on_allocate(block_ids)` sees every block handed to a sequence (the KV cache readies them);
+        preemptions and prefix-cache lookups are counted in `counters`."""
         self.blocks = blocks
+        self.counters = counters
         self.limits = limits
         self._on_allocate = on_allocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.prefix_queries_tokens = 0
-        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,8 +112,8 @@ class IterationScheduler:
             return None
         seq.block_table = hits + self._allocate(needed)
         if looked_up:  # counted once admitted: a sequence that must wait for blocks looks again later
-            self.prefix_queries_tokens += seq.num_tokens
-            self.prefix_hit_tokens += len(hits) * self.blocks.block_size
+            self.counters.prefix_queried_tokens += seq.num_tokens
+            self.counters.prefix_hit_tokens += len(hits) * self.blocks.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
@@ -145,7 +145,7 @@ class IterationScheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.preemptions += 1
         self.waiting.appendleft(seq)
 
     def release_blocks(self, seq: Sequence) -> None:

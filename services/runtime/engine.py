@@ -8,7 +8,7 @@ imported one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from services.common.blocks import ceil_div
 from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
 from services.runtime.block_manager import BlockManager
+from services.runtime.counters import EngineCounters
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
@@ -62,15 +63,6 @@ class IterationWork:
     num_preemptions: int
 
 
-@dataclass(slots=True)
-class EngineStats:
-    iterations: int = 0
-    last_batch_size: int = 0
-    max_batch_size: int = 0
-    batch_size_counts: dict[int, int] = field(default_factory=dict)
-    last_work: dict[str, IterationWork] = field(default_factory=dict)  # request id -> its share of the last step
-
-
 class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig) -> None:
         self.config = config
@@ -81,7 +73,9 @@ class Engine:
         )
         self.cache = PagedKVCache(model.config, num_blocks, config.block_size, config.dtype, model.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = IterationScheduler(self.blocks, SchedulerLimits(
+        self.counters = EngineCounters()
+        self.last_work: dict[str, IterationWork] = {}  # request id -> its share of the last step
+        self.scheduler = IterationScheduler(self.blocks, self.counters, SchedulerLimits(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             chunk_size=config.chunk_size or config.max_num_batched_tokens,
@@ -90,7 +84,6 @@ class Engine:
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
 
     @classmethod
@@ -161,12 +154,8 @@ class Engine:
         return [outputs[rid] for rid in ids]
 
     def _record_batch(self, chunks: list[ScheduledChunk]) -> None:
-        stats, size = self.stats, len(chunks)
-        stats.last_work = {c.seq.request_id: _work(c) for c in chunks}
-        stats.iterations += 1
-        stats.last_batch_size = size
-        stats.max_batch_size = max(stats.max_batch_size, size)
-        stats.batch_size_counts[size] = stats.batch_size_counts.get(size, 0) + 1
+        self.last_work = {c.seq.request_id: _work(c) for c in chunks}
+        self.counters.record_batch(len(chunks))
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         return SampleRequest(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, seq.output_token_ids,
@@ -187,6 +176,7 @@ class Engine:
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         seq.token_ids.append(token.token_id)
         seq.output_logprobs.append(token)
+        self.counters.generated_tokens += 1
         seq.status = self._status_after(seq, token.token_id)
         if seq.status.is_finished:
             self.scheduler.remove(seq)

@@ -78,6 +78,8 @@ class KvHandoff:
             seq = self._exports.pop(request_id, None)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no exported KV to release")
+        num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens)
+        self.engine.counters.kv_bytes_sent += num_blocks * self.engine.cache.block_bytes
         self.engine.scheduler.release_blocks(seq)
 
     # -- the decode side --------------------------------------------------------------------
@@ -123,6 +125,7 @@ class KvHandoff:
         seq.block_table = reservation.block_ids
         seq.num_computed_tokens = seq.num_tokens - 1
         self.engine.add_running(seq)
+        self.engine.counters.kv_bytes_received += reservation.received_bytes
 
     # -- either side ------------------------------------------------------------------------
 

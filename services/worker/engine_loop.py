@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.common.block_hash import BlockHash
 import torch
 
+from services.common.block_hash import BlockHash
+from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, IterationWork, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ _STALL_WAIT_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """The engine's load and counters, taken in the engine thread (safe to read anywhere)."""
+    """The engine's load and a copy of its counters, taken in the engine thread (safe to read anywhere)."""
 
     num_blocks: int = 0
     allocatable_blocks: int = 0  # free list plus cached-but-unreferenced (evictable)
@@ -39,17 +40,11 @@ class EngineSnapshot:
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
-    iterations: int = 0
-    last_batch_size: int = 0
-    max_batch_size: int = 0
-    batch_size_counts: dict[int, int] = field(default_factory=dict)
-    preemptions: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineSnapshot:
-        blocks, scheduler, stats = engine.blocks, engine.scheduler, engine.stats
+        blocks, scheduler = engine.blocks, engine.scheduler
         prefilling = [s for s in scheduler.running if s.num_uncomputed_tokens > 1]
         return cls(
             num_blocks=blocks.num_blocks,
@@ -59,13 +54,7 @@ class EngineSnapshot:
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in (*scheduler.waiting, *prefilling)),
-            iterations=stats.iterations,
-            last_batch_size=stats.last_batch_size,
-            max_batch_size=stats.max_batch_size,
-            batch_size_counts=dict(stats.batch_size_counts),
-            preemptions=scheduler.num_preemptions,
-            prefix_queried_tokens=scheduler.prefix_queries_tokens,
-            prefix_hit_tokens=scheduler.prefix_hit_tokens,
+            counters=engine.counters.copy(),
         )
 
 
@@ -188,10 +177,10 @@ class EngineLoop:
         """One engine iteration if there is work; True when it ran one."""
         engine = self.engine
         started_ns = time.time_ns()
-        iteration = engine.stats.iterations
+        iteration = engine.counters.iterations
         outputs = engine.step() if engine.has_unfinished() else []
-        stepped = engine.stats.iterations != iteration
-        self._publish(outputs, started_ns, engine.stats.last_work if stepped else {}, stepped or changed)
+        stepped = engine.counters.iterations != iteration
+        self._publish(outputs, started_ns, engine.last_work if stepped else {}, stepped or changed)
         return stepped
 
     def _stall(self) -> None:
@@ -225,8 +214,8 @@ class EngineLoop:
         stored, evicted = engine.blocks.drain_events()
         result = StepResult(
             outputs=outputs,
-            batch_size=engine.stats.last_batch_size if work else 0,
-            iteration=engine.stats.iterations,
+            batch_size=engine.counters.last_batch_size if work else 0,
+            iteration=engine.counters.iterations,
             started_ns=started_ns,
             ended_ns=time.time_ns(),
             work=work,

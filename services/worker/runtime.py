@@ -17,15 +17,16 @@ from typing import Protocol
 import grpc
 
 from services.common.metrics import ServiceMetrics
-from services.common.wire import FINISH_REASON_FROM_PROTO
+from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine
 from services.runtime.kv_handoff import KvHandoff
 from services.worker.block_reporter import BlockReporter
-from services.worker.engine_loop import EngineLoop, EngineSnapshot, StepResult
+from services.worker.engine_loop import EngineLoop, StepResult
 from services.worker.events import TokenBatcher
 from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
-from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
+from services.worker.stats import update_metrics, worker_stats
+from tandem.v1 import scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,6 @@ class WorkerIdentity:
     device: str
 
 
-@dataclass(slots=True)
-class WorkerCounters:
-    kv_bytes_sent: int = 0
-    kv_bytes_received: int = 0
-    generated_tokens: int = 0
-
-
 class WorkerRuntime:
     """Call order: attach(servicer) -> await start() -> ... -> await stop().
 
@@ -80,7 +74,6 @@ class WorkerRuntime:
         self.handoff = KvHandoff(engine)
         self.identity = identity
         self.metrics = metrics
-        self.counters = WorkerCounters()
         self.batcher = TokenBatcher(identity.worker_id)
         self.loop = EngineLoop(engine, self._on_step, self._on_failure)
         self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
@@ -91,7 +84,7 @@ class WorkerRuntime:
         self.failed = asyncio.Event()
         self._servicer: RoleServicer | None = None
         self._started = time.monotonic()
-        self._previous = EngineSnapshot()
+        self._previous = EngineCounters()
 
     @property
     def worker_id(self) -> str:
@@ -152,8 +145,9 @@ class WorkerRuntime:
         batch = self.batcher.batch(step)
         if batch is not None and self.reporter is not None:
             self.reporter.send(batch)
-        self.counters.generated_tokens += sum(len(o.new_token_ids) for o in step.outputs)
-        self._update_metrics(step, batch.events if batch is not None else ())
+        if self.metrics is not None:
+            update_metrics(self.metrics, step.snapshot, self._previous, batch.events if batch is not None else ())
+        self._previous = step.snapshot.counters
         if self._servicer is not None:
             self._servicer.on_step(step)
 
@@ -187,25 +181,6 @@ class WorkerRuntime:
 
         await self.loop.call(apply)
 
-    def _update_metrics(self, step: StepResult, events: Iterable[scheduler_pb2.TokenEvent]) -> None:
-        metrics, now, before = self.metrics, step.snapshot, self._previous
-        self._previous = now
-        if metrics is None:
-            return
-        for event in events:
-            if event.output_offset == 0 and event.token_ids:
-                metrics.time_to_first_token.observe(event.timings.time_to_first_token_ms / 1000)
-            if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                metrics.request_success(FINISH_REASON_FROM_PROTO[event.finish_reason]).inc()
-                metrics.prompt_tokens.inc(event.usage.prompt_tokens)
-        metrics.num_requests_running.set(now.running)
-        metrics.num_requests_waiting.set(now.waiting)
-        metrics.kv_cache_usage.set(now.referenced_blocks / max(now.num_blocks, 1))
-        metrics.num_preemptions.inc(max(now.preemptions - before.preemptions, 0))
-        metrics.prefix_cache_queries.inc(max(now.prefix_queried_tokens - before.prefix_queried_tokens, 0))
-        metrics.prefix_cache_hits.inc(max(now.prefix_hit_tokens - before.prefix_hit_tokens, 0))
-        metrics.generation_tokens.inc(sum(len(o.new_token_ids) for o in step.outputs))
-
     # -- what the worker publishes ----------------------------------------------------------
 
     def info(self) -> scheduler_pb2.WorkerInfo:
@@ -235,30 +210,9 @@ class WorkerRuntime:
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
-        snapshot = self.loop.snapshot
-        servicer = self._servicer
-        counts = snapshot.batch_size_counts
-        histogram = [counts.get(size, 0) for size in range(max(counts, default=0) + 1)]
-        return worker_pb2.WorkerStats(
-            worker_id=self.identity.worker_id,
-            role=self.identity.role,
-            num_blocks=snapshot.num_blocks,
-            free_blocks=snapshot.allocatable_blocks - snapshot.cached_blocks,
-            cached_blocks=snapshot.cached_blocks,
-            referenced_blocks=snapshot.referenced_blocks,
-            reserved_blocks=self.handoff.reserved_blocks,
-            running=snapshot.running,
-            waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
-            iterations=snapshot.iterations,
-            last_batch_size=snapshot.last_batch_size,
-            max_batch_size=snapshot.max_batch_size,
-            batch_size_histogram=histogram,
-            preemptions=snapshot.preemptions,
-            prefix_cache_queried_tokens=snapshot.prefix_queried_tokens,
-            prefix_cache_hit_tokens=snapshot.prefix_hit_tokens,
-            kv_bytes_sent=self.counters.kv_bytes_sent,
-            kv_bytes_received=self.counters.kv_bytes_received,
-            generated_tokens=self.counters.generated_tokens,
-            uptime_s=time.monotonic() - self._started,
-        )
-
+        pending = self._servicer.num_pending if self._servicer is not None else 0
+        stats = worker_stats(self.loop.snapshot, self.handoff.reserved_blocks, pending)
+        stats.worker_id = self.identity.worker_id
+        stats.role = self.identity.role
+        stats.uptime_s = time.monotonic() - self._started
+        return stats

@@ -53,7 +53,7 @@ def test_batched_greedy_matches_hf(default_model_dir, parity_prompts, parity_ref
     engine = make_engine(default_model_dir)
     outputs, _ = run_all(engine, parity_prompts, "plain")
     assert_all_match(outputs, parity_references, "batched")
-    assert engine.stats.max_batch_size == len(parity_prompts)
+    assert engine.counters.max_batch_size == len(parity_prompts)
     assert_no_referenced_blocks(engine)
 
 
@@ -80,7 +80,7 @@ def test_preemption_by_recompute_matches_hf(default_model_dir, parity_prompts, p
     longest = max(len(p) for p in parity_prompts) + MAX_NEW_TOKENS
     engine = make_engine(default_model_dir, num_kv_blocks=longest // 16 + 8, enable_prefix_cache=False)
     outputs, _ = run_all(engine, parity_prompts, "tight")
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.counters.preemptions > 0
     assert_all_match(outputs, parity_references, "preempted")
     assert_no_referenced_blocks(engine)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.common.block_hash import hash_chain
+from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, EngineConfig, IterationWork
 from services.runtime.sampler import SamplingParams
 from services.worker.engine_loop import EngineLoop, StepResult
@@ -56,7 +57,22 @@ async def test_calls_run_in_the_engine_thread_and_steps_reach_the_loop(model_dir
     stored = {h for s in steps for h in s.stored}
     assert set(hash_chain(PROMPT, 4)) <= stored
     assert loop.snapshot.referenced_blocks == 0 and loop.snapshot.running == 0
+    counters = loop.snapshot.counters
+    assert counters.generated_tokens == 12 and counters.max_batch_size == 2
+    assert counters.iterations == steps[-1].iteration and sum(counters.batch_sizes.values()) == counters.iterations
     await loop.stop()
+
+
+def test_counters_grow_by_what_happened_since_a_copy():
+    counters = EngineCounters(preemptions=2, prefix_hit_tokens=16)
+    before = counters.copy()
+    counters.record_batch(3)
+    counters.record_batch(1)
+    counters.preemptions += 1
+    grown = counters.since(before)
+    assert (grown.iterations, grown.preemptions, grown.prefix_hit_tokens) == (2, 1, 0)
+    assert (grown.last_batch_size, grown.max_batch_size, grown.batch_sizes) == (1, 3, {3: 1, 1: 1})
+    assert before.batch_sizes == {} and before.preemptions == 2
 
 
 async def test_each_step_says_what_each_request_computed(model_dir):
