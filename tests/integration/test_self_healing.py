@@ -41,6 +41,8 @@ def mesh(run_dir: Path, default_model_dir: Path) -> Iterator[Mesh]:
                          run_dir=run_dir)
     yield started
     started.stop()
+    for log in sorted(run_dir.glob("*.log")):  # shown when a test failed
+        print(f"--- {log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
 
 
 @pytest.fixture(scope="module")
