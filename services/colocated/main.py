@@ -13,7 +13,7 @@ SPEC = main_common.RoleSpec(
     role=common_pb2.WORKER_ROLE_COLOCATED,
     port=50081,
     metrics_port=9105,
-    make_servicer=lambda config, channels: ColocatedServicer(),
+    make_servicer=lambda config, channels, loaded: ColocatedServicer(loaded),
     services=(("tandem.v1.ColocatedService", worker_pb2_grpc.add_ColocatedServiceServicer_to_server),),
 )
 

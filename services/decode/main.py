@@ -14,7 +14,7 @@ SPEC = main_common.RoleSpec(
     role=common_pb2.WORKER_ROLE_DECODE,
     port=50071,
     metrics_port=9104,
-    make_servicer=lambda config, channels: DecodeServicer(),
+    make_servicer=lambda config, channels, loaded: DecodeServicer(loaded),
     services=(
         ("tandem.v1.DecodeService", worker_pb2_grpc.add_DecodeServiceServicer_to_server),
         ("tandem.v1.KvTransferService", kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server),

@@ -26,9 +26,8 @@ from services.common.wire import abort_ids
 from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.kv_handoff import Reservation
 from services.runtime.kv_transfer import KvChunk
-from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest
-from services.worker.request_spans import RequestSpans
+from services.worker.runtime import WorkerRuntime
 from services.worker.servicer_base import WorkerServicerBase, sampling_params
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -62,25 +61,9 @@ class Received:
 
 class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                      kv_transfer_pb2_grpc.KvTransferServiceServicer):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, loaded: asyncio.Future[WorkerRuntime]) -> None:
+        super().__init__(loaded)
         self._waiting: dict[str, Waiting] = {}
-        self._spans = RequestSpans()  # decode.request of each admitted request
-
-    # -- RoleServicer -----------------------------------------------------------------------
-
-    def on_step(self, step: StepResult) -> None:
-        self._spans.on_step(step)
-
-    async def abort_all(self, reason: str) -> None:
-        ids = [*self.runtime.handoff.request_ids(), *self.runtime.batcher.requests]
-        if ids:
-            log.warning("aborting %d request(s): %s", len(ids), reason)
-            await self._abort(ids)
-
-    @property
-    def num_pending(self) -> int:
-        return self.runtime.handoff.num_in_flight
 
     # -- reservations -----------------------------------------------------------------------
 
@@ -134,8 +117,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     async def _abort(self, request_ids) -> list[str]:
         for rid in request_ids:
             self._forget_waiting(rid)
-            self._spans.end(rid, "abort")
-        return await self.abort_requests(request_ids)
+        return await self.runtime.abort(request_ids)
 
     def _forget_waiting(self, rid: str) -> Waiting | None:
         waiting = self._waiting.pop(rid, None)
@@ -159,8 +141,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 received = await self._import_all(reservation, first, request_iterator)
             except BaseException:  # a partial KV is useless: free the blocks (also when the sender went away)
                 if not reservation.cancelled:
-                    self._forget_waiting(rid)
-                    asyncio.ensure_future(self.abort_requests([rid]))
+                    asyncio.ensure_future(self._abort([rid]))
                 raise
             seconds = time.monotonic() - started
             span.set_attributes(kv_transfer_attributes(received.blocks, received.bytes, received.chunks, seconds))
@@ -228,15 +209,15 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         tracked.started_ns = tracked.first_token_ns = time.time_ns()
         waiting = self._forget_waiting(rid)
         assert waiting is not None  # an abort would have cancelled the reservation
-        self.runtime.batcher.track(tracked)
-        self._spans.start(SpanName.DECODE, rid, waiting.trace_context, prefilling=False)
+        self.runtime.track(tracked)
+        self.runtime.spans.start(SpanName.DECODE, rid, waiting.trace_context, prefilling=False)
         try:
             await self.runtime.loop.call(lambda engine: self.runtime.handoff.admit(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
                 header.cache_salt))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here
-            self.runtime.batcher.forget(rid)
-            self._spans.end(rid, "abort")
+            self.runtime.forget(rid)
+            self.runtime.spans.end(rid, "abort")
             log.info("request %s not admitted: %s", rid, exc)
             return False
         return True

@@ -13,7 +13,7 @@ SPEC = main_common.RoleSpec(
     role=common_pb2.WORKER_ROLE_PREFILL,
     port=50061,
     metrics_port=9103,
-    make_servicer=lambda config, channels: PrefillServicer(config.kv_chunk_bytes, channels),
+    make_servicer=lambda config, channels, loaded: PrefillServicer(loaded, config.kv_chunk_bytes, channels),
     services=(("tandem.v1.PrefillService", worker_pb2_grpc.add_PrefillServiceServicer_to_server),),
 )
 

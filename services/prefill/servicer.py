@@ -10,7 +10,6 @@ prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it i
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -27,18 +26,16 @@ from services.common.errors import (
     error_from_rpc,
 )
 from services.common.grpc_server import remaining_timeout
-from services.common.tracing import Attr, Event, SpanName, extract_context, inject_metadata, kv_transfer_attributes
+from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
 from services.runtime.engine import RequestOutput
 from services.runtime.kv_transfer import KvChunk
-from services.worker.engine_loop import StepResult
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
-from services.worker.request_spans import trace_iteration
+from services.worker.runtime import WorkerRuntime
 from services.worker.servicer_base import WorkerServicerBase, check_request, engine_rejection, sampling_params
 from services.worker.transport import ChannelPool
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.prefill")
 
 # Deadline of a KV push when the Prefill call itself carries none.
@@ -50,51 +47,22 @@ class PrefillJob:
     """A request on this worker, from admission to its response."""
 
     tracked: TrackedRequest
-    first: asyncio.Future  # -> RequestOutput of the first token, or None when aborted first
-    span: trace.Span = trace.INVALID_SPAN  # prefill.request, the parent of its iterations
     push: grpc.aio.StreamUnaryCall | None = None
-    aborted: bool = False
     transfer: worker_pb2.KvTransferStats = field(default_factory=worker_pb2.KvTransferStats)
 
 
 class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, kv_chunk_bytes: int, channels: ChannelPool) -> None:
-        super().__init__()
+    def __init__(self, loaded: asyncio.Future[WorkerRuntime], kv_chunk_bytes: int, channels: ChannelPool) -> None:
+        super().__init__(loaded)
         self.kv_chunk_bytes = kv_chunk_bytes
         self._channels = channels
-        self._jobs: dict[str, PrefillJob] = {}
-
-    # -- RoleServicer -----------------------------------------------------------------------
-
-    def on_step(self, step: StepResult) -> None:
-        for rid, work in step.work.items():
-            job = self._jobs.get(rid)
-            if job is not None:
-                trace_iteration(job.span, step, work)
-        for output in step.outputs:
-            job = self._jobs.get(output.request_id)
-            if job is not None and not job.first.done():
-                job.span.add_event(Event.FIRST_TOKEN, timestamp=step.ended_ns)
-                job.first.set_result(output)
-
-    async def abort_all(self, reason: str) -> None:
-        if self._jobs:
-            log.warning("aborting %d request(s): %s", len(self._jobs), reason)
-            await self._abort(list(self._jobs))
-
-    @property
-    def num_pending(self) -> int:
-        """Requests past their first token, still transferring."""
-        return sum(1 for job in self._jobs.values() if job.first.done())
-
-    # -- RPCs -------------------------------------------------------------------------------
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
         rid = request.request_id
         check_request(rid, request.token_ids)
         if not request.decode_address:
             raise InvalidRequest("decode_address", "is empty; reserve blocks on a decode worker first")
-        if rid in self._jobs:
+        if self.runtime.is_awaited(rid):
             raise InvalidRequest("request_id", f"{rid!r} is already being prefilled on this worker")
         params = sampling_params(request.sampling)
         self._check_reservation(request)
@@ -108,42 +76,40 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             })
             return response
 
-    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(aborted_ids=await self._abort(request.request_ids))
-
     # -- one request ------------------------------------------------------------------------
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, params, context) -> worker_pb2.PrefillResponse:
         rid = request.request_id
         ids = list(request.token_ids)
-        job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None),
-                         asyncio.get_running_loop().create_future(), span=trace.get_current_span())
-        self._jobs[rid] = job
-        self.runtime.batcher.track(job.tracked)
+        runtime = self.runtime
+        job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
+        runtime.track(job.tracked, awaited=True)
+        runtime.spans.follow(rid, trace.get_current_span())
         output: RequestOutput | None = None
         done = False
         try:
             try:
-                await self.runtime.loop.call(lambda engine: engine.add_request(
+                await runtime.loop.call(lambda engine: engine.add_request(
                     rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed))
             except ValueError as exc:
                 raise engine_rejection(exc) from exc
-            output = await job.first
+            output = await runtime.first_output(rid)
             # None: aborted before its first token; a final reason: the first token ended it.
-            if output is not None and not is_final(output.finish_reason) and not job.aborted:
+            if output is not None and not is_final(output.finish_reason) and not runtime.was_aborted(rid):
                 await self._ship(request, job, output, context)
-                if not job.aborted:  # else the abort freed the blocks
-                    await self.runtime.loop.call(lambda engine: self.runtime.handoff.release_export(rid))
+                if not runtime.was_aborted(rid):  # else the abort freed the blocks
+                    await runtime.loop.call(lambda engine: runtime.handoff.release_export(rid))
             done = True
         finally:
-            self._jobs.pop(rid, None)
-            self.runtime.batcher.forget(rid)
+            aborted = runtime.was_aborted(rid)
+            runtime.forget(rid)
+            runtime.spans.end(rid, "abort")  # stops following the call's span if no token came
             if not done:
                 if job.push is not None:
                     job.push.cancel()
                 asyncio.ensure_future(self._abort_in_engine(rid))
-        await self.runtime.blocks.flush()
-        return self._response(request, job, output)
+        await runtime.blocks.flush()
+        return self._response(request, job, output, aborted)
 
     def _check_reservation(self, request: worker_pb2.PrefillRequest) -> None:
         """The decode blocks must hold the prompt's KV in this worker's block size."""
@@ -173,27 +139,35 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer),
                                  timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                  metadata=(*inject_metadata(), *self._channels.metadata))
-            ack = await self._await_push(job, request.decode_address)
+            ack = await self._await_push(rid, job.push, request.decode_address)
             seconds = time.monotonic() - started
             job.transfer.duration_ms = seconds * 1000
             span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
                                                        job.transfer.chunks, seconds))
         if self.runtime.metrics is not None:
             self.runtime.metrics.kv_transfer_time.observe(seconds)
-        if ack is not None and not ack.admitted and not job.aborted:
+        if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
             raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
                               "transfer (its reservation was aborted or expired)")
 
-    async def _await_push(self, job: PrefillJob, address: str) -> kv_transfer_pb2.PushAck | None:
-        assert job.push is not None
+    async def _await_push(self, rid: str, push: grpc.aio.StreamUnaryCall,
+                          address: str) -> kv_transfer_pb2.PushAck | None:
+        """The decode worker's ack; None when the request was aborted first (the push is cancelled)."""
+        acked = asyncio.ensure_future(_ack(push))
+        aborted = asyncio.ensure_future(self.runtime.until_aborted(rid))
         try:
-            return await job.push
-        except asyncio.CancelledError:
-            if job.aborted:  # our own Abort cancelled the call
-                return None
-            raise
+            await asyncio.wait((acked, aborted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not acked.done():
+                push.cancel()
+                acked.cancel()
+        if not acked.done() or acked.cancelled():
+            return None
+        try:
+            return acked.result()
         except grpc.aio.AioRpcError as error:
-            if job.aborted and error.code() == grpc.StatusCode.CANCELLED:
+            if self.runtime.was_aborted(rid) and error.code() == grpc.StatusCode.CANCELLED:
                 return None
             raise _transfer_error(error, address) from error
 
@@ -228,9 +202,10 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             stats.blocks = blocks
             yield message
 
-    def _response(self, request, job: PrefillJob, output: RequestOutput | None) -> worker_pb2.PrefillResponse:
+    def _response(self, request, job: PrefillJob, output: RequestOutput | None,
+                  aborted: bool) -> worker_pb2.PrefillResponse:
         tracked = job.tracked
-        reason = common_pb2.FINISH_REASON_ABORT if job.aborted or output is None else finish_reason_to_proto(
+        reason = common_pb2.FINISH_REASON_ABORT if aborted or output is None else finish_reason_to_proto(
             output.finish_reason)
         response = worker_pb2.PrefillResponse(
             request_id=request.request_id,
@@ -256,26 +231,15 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
 
     # -- aborts -----------------------------------------------------------------------------
 
-    async def _abort(self, request_ids) -> list[str]:
-        known = []
-        for rid in request_ids:
-            job = self._jobs.get(rid)
-            if job is None:
-                continue
-            known.append(rid)
-            job.aborted = True
-            if not job.first.done():
-                job.first.set_result(None)
-            if job.push is not None:
-                job.push.cancel()
-        in_engine = await self.abort_requests(request_ids)
-        return list(dict.fromkeys([*known, *in_engine]))
-
     async def _abort_in_engine(self, rid: str) -> None:
         try:
-            await self.abort_requests([rid])
+            await self.runtime.abort([rid])
         except RuntimeError:  # the engine loop stopped: nothing left to free
             pass
+
+
+async def _ack(push: grpc.aio.StreamUnaryCall) -> kv_transfer_pb2.PushAck:
+    return await push
 
 
 def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:

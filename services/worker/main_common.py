@@ -93,7 +93,8 @@ class RoleSpec:
     role: int  # common_pb2.WorkerRole
     port: int
     metrics_port: int
-    make_servicer: Callable[[WorkerConfig, ChannelPool], WorkerServicerBase]
+    # (config, channels, the runtime once loaded) -> the servicer
+    make_servicer: Callable[[WorkerConfig, ChannelPool, asyncio.Future[WorkerRuntime]], WorkerServicerBase]
     services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
     report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
     max_receive_bytes: int = CONTROL_MESSAGE_BYTES  # MAX_MESSAGE_BYTES where KV chunks arrive
@@ -141,7 +142,8 @@ async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
     """Serves until SIGTERM/SIGINT or an engine failure; returns the exit status."""
     stopping = _stop_on_signals()
     channels = ChannelPool(config.internal_token)
-    servicer = spec.make_servicer(config, channels)
+    loaded: asyncio.Future[WorkerRuntime] = asyncio.get_running_loop().create_future()
+    servicer = spec.make_servicer(config, channels, loaded)
     server = create_server(config.host, config.port, internal_token=config.internal_token,
                            max_receive_bytes=spec.max_receive_bytes)
     for name, register in spec.services:
@@ -152,7 +154,7 @@ async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
              server.port, address)
     tracing = setup_tracing(spec.name, instance=address)
     try:
-        starting = asyncio.create_task(_start_runtime(config, spec, servicer, address, channels))
+        starting = asyncio.create_task(_start_runtime(config, spec, loaded, address, channels))
         if not await _first_done(starting, stopping.wait()):
             return 0
         try:
@@ -205,8 +207,8 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
     return 1 if runtime.failed.is_set() else 0
 
 
-async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServicerBase, address: str,
-                         channels: ChannelPool) -> WorkerRuntime:
+async def _start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],
+                         address: str, channels: ChannelPool) -> WorkerRuntime:
     model_dir = await asyncio.to_thread(_model_dir, config.model)
     engine = await _in_own_thread(Engine.from_model_dir, model_dir, config.engine_config())
     identity = WorkerIdentity(
@@ -219,7 +221,7 @@ async def _start_runtime(config: WorkerConfig, spec: RoleSpec, servicer: WorkerS
     scheduler = channels.get(config.scheduler) if config.scheduler else None
     runtime = WorkerRuntime(engine, identity, scheduler, channels.metadata, ServiceMetrics(identity.model, address),
                             report_blocks=spec.report_blocks)
-    servicer.bind(runtime)
+    loaded.set_result(runtime)
     log.info("model %s loaded: %d KV blocks of %d tokens; registering with %s", identity.model,
              engine.blocks.num_blocks, engine.blocks.block_size, config.scheduler or "no scheduler (standalone)")
     await runtime.start()

@@ -78,10 +78,14 @@ class RequestSpan:
 class RequestSpans:
     """The open request spans of a worker. Call order: start(...) before the request enters the
     engine -> on_step(step) after every engine step (a request's final output ends its span) ->
-    end(request_id, reason) when it leaves otherwise (aborted); ending an unknown id does nothing."""
+    end(request_id, reason) when it leaves otherwise (aborted); ending an unknown id does nothing.
+
+    `follow(request_id, span)` takes a span its caller owns and ends (the Prefill call's) instead:
+    the request's iterations become its children and its first token an event on it."""
 
     def __init__(self) -> None:
         self._open: dict[str, RequestSpan] = {}
+        self._followed: dict[str, trace.Span] = {}
 
     def start(self, name: str, request_id: str, parent: Context, *, prefilling: bool) -> None:
         """`parent`: the remote context of the call that brought the request (the scheduler's span)."""
@@ -89,17 +93,25 @@ class RequestSpans:
         span = tracer.start_span(name, context=parent, start_time=start_ns, attributes={Attr.REQUEST_ID: request_id})
         self._open[request_id] = RequestSpan(span, TokenTimings(start_ns=start_ns), prefilling)
 
+    def follow(self, request_id: str, span: trace.Span) -> None:
+        self._followed[request_id] = span
+
     def on_step(self, step: StepResult) -> None:
         for rid, work in step.work.items():
             if (request := self._open.get(rid)) is not None:
                 request.note_iteration(step, work)
+            elif (followed := self._followed.get(rid)) is not None:
+                trace_iteration(followed, step, work)
         for output in step.outputs:
+            if (followed := self._followed.pop(output.request_id, None)) is not None:
+                followed.add_event(Event.FIRST_TOKEN, timestamp=step.ended_ns)
             if (request := self._open.get(output.request_id)) is not None:
                 request.note_output(output, step.ended_ns)
                 if is_final(output.finish_reason):
                     self.end(output.request_id, output.finish_reason.value, output)
 
     def end(self, request_id: str, finish_reason: str, output: RequestOutput | None = None) -> None:
+        self._followed.pop(request_id, None)
         request = self._open.pop(request_id, None)
         if request is not None:
             request.end(finish_reason, output)

@@ -1,8 +1,10 @@
-"""What every worker role shares around its engine: the engine thread, the token stream, the
-registry membership, the prefix-cache reports, metrics, and the load and stats it publishes.
+"""What every worker role shares around its engine: the engine thread, the KV hand-off, the
+token stream, the registry membership, the prefix-cache reports, the request spans, metrics, and
+the load and stats it publishes.
 
-A role's servicer (prefill, decode, colocated) plugs in as a `RoleServicer`; the runtime feeds
-it each engine step after reporting the step's tokens.
+A role's servicer (prefill, decode, colocated) calls into the runtime and awaits what it needs
+per request (`await runtime.first_output(rid)`); the runtime never calls a servicer. Aborts,
+whoever asks for them (an Abort RPC, a lost token stream, shutdown), go through `abort`.
 """
 
 from __future__ import annotations
@@ -12,37 +14,24 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import grpc
 
 from services.common.metrics import ServiceMetrics
 from services.runtime.counters import EngineCounters
-from services.runtime.engine import Engine
+from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
 from services.worker.block_reporter import BlockReporter
 from services.worker.engine_loop import EngineLoop, StepResult
-from services.worker.events import TokenBatcher
+from services.worker.events import TokenBatcher, TrackedRequest
 from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
+from services.worker.request_spans import RequestSpans
+from services.worker.request_waiters import RequestWaiters
 from services.worker.stats import update_metrics, worker_stats
 from tandem.v1 import scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
-
-
-class RoleServicer(Protocol):
-    """The role-specific half of a worker."""
-
-    def on_step(self, step: StepResult) -> None:
-        """Called on the asyncio loop after the step's tokens were queued for the scheduler."""
-
-    async def abort_all(self, reason: str) -> None:
-        """Drop every request (the scheduler failed them: stream lost or registration expired)."""
-
-    @property
-    def num_pending(self) -> int:
-        """Requests the servicer holds outside the engine's queues (reserved, transferring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +44,7 @@ class WorkerIdentity:
 
 
 class WorkerRuntime:
-    """Call order: attach(servicer) -> await start() -> ... -> await stop().
+    """Call order: await start() -> ... -> await stop().
 
     With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
     reported; the worker still serves its RPCs.
@@ -75,6 +64,8 @@ class WorkerRuntime:
         self.identity = identity
         self.metrics = metrics
         self.batcher = TokenBatcher(identity.worker_id)
+        self.spans = RequestSpans()
+        self._waiters = RequestWaiters()
         self.loop = EngineLoop(engine, self._on_step, self._on_failure)
         self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
         self.reporter = (TokenReporter(scheduler, identity.worker_id, metadata, on_lost=self._on_lost)
@@ -82,16 +73,12 @@ class WorkerRuntime:
         self.registration = (Registration(scheduler, self.info(), self.load, metadata, self._on_reregistered)
                              if scheduler is not None else None)
         self.failed = asyncio.Event()
-        self._servicer: RoleServicer | None = None
         self._started = time.monotonic()
         self._previous = EngineCounters()
 
     @property
     def worker_id(self) -> str:
         return self.identity.worker_id
-
-    def attach(self, servicer: RoleServicer) -> None:
-        self._servicer = servicer
 
     async def start(self) -> None:
         """Starts the engine thread, then registers (waiting for the scheduler) and opens the stream."""
@@ -111,27 +98,65 @@ class WorkerRuntime:
         deadline = time.monotonic() + drain_s
         while self._busy() and time.monotonic() < deadline and not self.failed.is_set():
             await asyncio.sleep(0.05)
-        if self._busy() and self._servicer is not None and not self.failed.is_set():
-            await self._servicer.abort_all("worker shutting down")
+        if self._busy() and not self.failed.is_set():
+            await self.abort_all("worker shutting down")
         if self.reporter is not None:
             await self.reporter.stop()
         await self.loop.stop()
 
     def _busy(self) -> bool:
         snapshot = self.loop.snapshot
-        pending = self._servicer.num_pending if self._servicer is not None else 0
-        return bool(snapshot.running or snapshot.waiting or pending or self.batcher.requests)
+        return bool(snapshot.running or snapshot.waiting or self.handoff.num_in_flight or self.batcher.requests
+                    or self._waiters.request_ids())
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def track(self, request: TrackedRequest, *, awaited: bool = False) -> None:
+        """Reports the request's tokens from now on; call before the engine gets it. `awaited`: its
+        handler awaits `first_output`/`until_aborted` and calls `forget` when done with it."""
+        self.batcher.track(request)
+        if awaited:
+            self._waiters.open(request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Stops reporting the request's tokens (and ends what its handler could await)."""
+        self.batcher.forget(request_id)
+        self._waiters.close(request_id)
+
+    def is_awaited(self, request_id: str) -> bool:
+        """A handler holds the request (tracked with `awaited`, not yet forgotten)."""
+        return request_id in self._waiters
+
+    async def first_output(self, request_id: str) -> RequestOutput | None:
+        """The tracked request's first output; None when it was aborted before one."""
+        return await self._waiters.first_output(request_id)
+
+    def was_aborted(self, request_id: str) -> bool:
+        return self._waiters.was_aborted(request_id)
+
+    async def until_aborted(self, request_id: str) -> None:
+        await self._waiters.until_aborted(request_id)
 
     async def abort(self, request_ids: Iterable[str]) -> list[str]:
-        """Drops the requests wherever they are (reservation, engine, export), freeing their blocks
-        at once; returns the ones this worker held."""
+        """Drops the requests wherever they are (handler, reservation, engine, export), freeing their
+        blocks at once and ending their spans; returns the ones this worker held."""
         ids = list(dict.fromkeys(request_ids))
+        waited = [r for r in ids if self._waiters.abort(r)]
         for request_id in ids:
             self.batcher.forget(request_id)
+            self.spans.end(request_id, "abort")
             self.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
         if not ids:
             return []
-        return await self.loop.call(lambda engine: [r for r in ids if self._drop(engine, r)])
+        held = await self.loop.call(lambda engine: [r for r in ids if self._drop(engine, r)])
+        return list(dict.fromkeys([*waited, *held]))
+
+    async def abort_all(self, reason: str) -> None:
+        """Drops every request (the scheduler failed them: stream lost or registration expired; or shutdown)."""
+        ids = list(dict.fromkeys([*self._waiters.request_ids(), *self.handoff.request_ids(), *self.batcher.requests]))
+        if ids:
+            log.warning("aborting %d request(s): %s", len(ids), reason)
+            await self.abort(ids)
 
     def _drop(self, engine: Engine, request_id: str) -> bool:
         freed = self.handoff.free(request_id)
@@ -148,21 +173,19 @@ class WorkerRuntime:
         if self.metrics is not None:
             update_metrics(self.metrics, step.snapshot, self._previous, batch.events if batch is not None else ())
         self._previous = step.snapshot.counters
-        if self._servicer is not None:
-            self._servicer.on_step(step)
+        self.spans.on_step(step)
+        self._waiters.note(step.outputs)
 
     def _on_failure(self, exc: BaseException) -> None:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
         self.failed.set()
 
     def _on_lost(self) -> None:
-        if self._servicer is not None:
-            asyncio.ensure_future(self._servicer.abort_all("the scheduler lost this worker's token stream"))
+        asyncio.ensure_future(self.abort_all("the scheduler lost this worker's token stream"))
 
     async def _on_reregistered(self, response: scheduler_pb2.RegisterWorkerResponse) -> None:
         await self.apply_policy(response.policy)
-        if self._servicer is not None:
-            await self._servicer.abort_all("the scheduler had expired this worker")
+        await self.abort_all("the scheduler had expired this worker")
         if self.reporter is not None:
             self.reporter.announce()
         await self.blocks.reset()
@@ -199,19 +222,17 @@ class WorkerRuntime:
 
     def load(self) -> scheduler_pb2.WorkerLoad:
         snapshot = self.loop.snapshot
-        servicer = self._servicer
         return scheduler_pb2.WorkerLoad(
             free_blocks=snapshot.allocatable_blocks,
             cached_blocks=len(self.blocks.cached),
             running=snapshot.running,
-            waiting=snapshot.waiting + (servicer.num_pending if servicer is not None else 0),
+            waiting=snapshot.waiting + self.handoff.num_in_flight,
             queued_prefill_tokens=snapshot.queued_prefill_tokens,
             reserved_blocks=self.handoff.reserved_blocks,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
-        pending = self._servicer.num_pending if self._servicer is not None else 0
-        stats = worker_stats(self.loop.snapshot, self.handoff.reserved_blocks, pending)
+        stats = worker_stats(self.loop.snapshot, self.handoff.reserved_blocks, self.handoff.num_in_flight)
         stats.worker_id = self.identity.worker_id
         stats.role = self.identity.role
         stats.uptime_s = time.monotonic() - self._started

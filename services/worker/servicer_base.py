@@ -1,64 +1,41 @@
-"""What the three worker servicers share: the runtime they bind to once the model is loaded, the
-Stats RPC, the engine-side abort, and the checks on an incoming request.
+"""What the three worker servicers share: the runtime they serve once the model is loaded, the
+Stats and Abort RPCs, and the checks on an incoming request.
 
 The gRPC server starts before the model loads (health says NOT_SERVING meanwhile), so a servicer
-exists before its runtime; an RPC that arrives in between gets UNAVAILABLE.
+exists before its runtime and holds the future that resolves to it; an RPC that arrives in
+between gets UNAVAILABLE.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
 from collections.abc import Iterable
 
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.sampling_params import SamplingParams
-from services.common.wire import DEFAULT_MAX_TOKENS, sampling_from_proto
-from services.worker.engine_loop import StepResult
+from services.common.wire import DEFAULT_MAX_TOKENS, abort_ids, sampling_from_proto
 from services.worker.runtime import WorkerRuntime
 from tandem.v1 import common_pb2, worker_pb2
 
-log = logging.getLogger(__name__)
-
 
 class WorkerServicerBase:
-    """Base of the role servicers (the runtime's RoleServicer)."""
+    """Base of the role servicers: the runtime they serve once it is loaded, and the shared RPCs."""
 
-    def __init__(self) -> None:
-        self._runtime: WorkerRuntime | None = None
-
-    def bind(self, runtime: WorkerRuntime) -> None:
-        self._runtime = runtime
-        runtime.attach(self)
+    def __init__(self, loaded: asyncio.Future[WorkerRuntime]) -> None:
+        """`loaded` resolves to the runtime when the model is loaded (the server starts before)."""
+        self._loaded = loaded
 
     @property
     def runtime(self) -> WorkerRuntime:
-        if self._runtime is None:
+        if not self._loaded.done():
             raise Unavailable("this worker is still loading its model; retry when its health check says SERVING")
-        return self._runtime
-
-    # -- RoleServicer defaults --------------------------------------------------------------
-
-    def on_step(self, step: StepResult) -> None:
-        return None
-
-    async def abort_all(self, reason: str) -> None:
-        ids = list(self.runtime.batcher.requests)
-        if ids:
-            log.warning("aborting %d request(s): %s", len(ids), reason)
-            await self.abort_requests(ids)
-
-    @property
-    def num_pending(self) -> int:
-        return 0
-
-    # -- shared RPCs ------------------------------------------------------------------------
+        return self._loaded.result()
 
     async def Stats(self, request: worker_pb2.WorkerStatsRequest, context) -> worker_pb2.WorkerStats:
         return self.runtime.stats()
 
-    async def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Aborts the requests wherever the worker holds them (freeing their blocks at once); returns those."""
-        return await self.runtime.abort(request_ids)
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(aborted_ids=await self.runtime.abort(abort_ids(request)))
 
 
 def check_request(request_id: str, token_ids: Iterable[int]) -> None:
