@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.testing import Mesh, greedy_request  # noqa: E402
+from tests.mesh import Mesh, greedy_request  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 46080
 IDLE_TRANSFER_TOKENS = 1024  # a multiple of the block size, so the KV shipped is exactly this many tokens

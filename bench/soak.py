@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from tandem.testing import Mesh, greedy_request  # noqa: E402
+from tests.mesh import Mesh, greedy_request  # noqa: E402
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 

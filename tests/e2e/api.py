@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tandem.testing import Mesh
+from tests.mesh import Mesh
 from tests.waiting import DEADLINE_S
 
 API_KEY = "sk-e2e"

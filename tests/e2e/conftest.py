@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.testing import Mesh
+from tests.mesh import Mesh
 from tests.e2e.api import API_KEY, AUTH, MESH_ENV
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tandem.testing import Mesh
+from tests.mesh import Mesh
 from tests.fuzz.serving import MESH_ENV, reference_tokens
 
 

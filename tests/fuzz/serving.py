@@ -13,7 +13,7 @@ import grpc
 from hypothesis import HealthCheck, settings
 
 from services.common.health_cli import SERVING, check
-from tandem.testing import Mesh, collect, greedy_request
+from tests.mesh import Mesh, collect, greedy_request
 from tests.waiting import DEADLINE_S
 
 API_KEY = "sk-fuzz"

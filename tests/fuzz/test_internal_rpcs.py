@@ -24,7 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from services.common.wire import MAX_ABORT_IDS
-from tandem.testing import Mesh
+from tests.mesh import Mesh
 from tandem.v1 import (
     common_pb2,
     kv_transfer_pb2,

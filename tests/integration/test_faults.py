@@ -4,7 +4,9 @@ or a status) within the heartbeat TTL plus 2 s, and once the worker is thawed (S
 serves the next request with exactly the tokens it gave before the freeze, and leaves nothing
 behind. Full decode memory: requests wait in the queue for room, none is refused.
 
-One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 2 s heartbeat TTL.
+One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 2 s heartbeat TTL,
+migration off (TANDEM_MIGRATION=0), so a worker lost under a started request fails it with
+UNAVAILABLE (tests/integration/test_migration.py moves it instead).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from tandem.testing import Endpoint, Mesh, collect, greedy_request
+from tests.mesh import Endpoint, Mesh, collect, greedy_request
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.waiting import DEADLINE_S, wait_until
 
@@ -29,7 +31,7 @@ TTL_S = 2.0
 ANSWER_S = TTL_S + 2.0  # the bound on a request's answer once a worker it needs froze
 CLIENT_TIMEOUT_S = 120  # far beyond ANSWER_S: the answer must not be the client's own deadline
 ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "40MiB", "TANDEM_THREADS": "1",
-       "TANDEM_HEARTBEAT_TTL": str(TTL_S)}
+       "TANDEM_HEARTBEAT_TTL": str(TTL_S), "TANDEM_MIGRATION": "0"}
 MAX_TOKENS = 6
 BLOCK = 16
 

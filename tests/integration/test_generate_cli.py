@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tandem import cli
+from tandem.cli import main as cli
 
 QUESTION = "What is the capital of France?"
 PARIS_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2]

@@ -14,7 +14,7 @@ import pytest
 
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
-from tandem.testing import Mesh, collect, greedy_request
+from tests.mesh import Mesh, collect, greedy_request
 from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "test-key"

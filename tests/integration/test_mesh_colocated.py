@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tandem.testing import Mesh, collect, greedy_request
+from tests.mesh import Mesh, collect, greedy_request
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
 from tests.waiting import DEADLINE_S
 

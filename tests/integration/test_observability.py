@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from tandem.spans import Attr, Event, SpanName, SpanRecord, load_span_files
-from tandem.testing import Mesh, collect, greedy_request
-from tandem.trace_view import request_spans, trace_gaps
+from tests.mesh import Mesh, collect, greedy_request
+from tandem.cli.trace_view import request_spans, trace_gaps
 from tandem.v1 import gateway_pb2
 from tests.waiting import DEADLINE_S, wait_until
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from services.common.health_cli import SERVING, check
-from tandem.testing import Mesh, collect, greedy_request
+from tests.mesh import Mesh, collect, greedy_request
 from tests.hf_reference import Reference, assert_matches
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem import cli
-from tandem.cli import COMMANDS, Command
-from tandem.generate_cli import Completion, StreamView
+from tandem.cli import main as cli
+from tandem.cli.generate import Completion, StreamView
+from tandem.cli.main import COMMANDS, Command
 
 ALL_COMMANDS = [
     "up", "gateway", "scheduler", "prefill", "decode", "colocated", "health", "model", "generate", "trace", "deploy",
@@ -29,13 +29,21 @@ def test_help_lists_every_command(capsys):
 
 def test_help_imports_no_command_module():
     script = (
-        "import sys\nfrom tandem import cli\n"
+        "import sys\nfrom tandem.cli import main as cli\n"
         "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "loaded = [m for m in ('torch', 'transformers', 'tandem.trace_cli', 'tandem.model_cli') if m in sys.modules]\n"
+        "loaded = [m for m in ('torch', 'transformers', 'tandem.cli.trace', 'tandem.cli.model') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                    cwd=Path(__file__).parents[2])
+
+
+def test_python_m_tandem_cli_is_the_tandem_command():
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "--help"], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: tandem ")
+    assert "commands:" in done.stdout
 
 
 def test_no_command_prints_help_and_fails(capsys):

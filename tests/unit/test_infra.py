@@ -21,8 +21,8 @@ import jsonschema
 import pytest
 import yaml
 
-from tandem import deploy_cli
-from tandem.deploy_cli import Topology
+from tandem.cli import deploy
+from tandem.cli.deploy import Topology
 from tests.compose_env import MissingVariable, interpolate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def cpu_merged(compose: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("path", "render"),
-    [(COMPOSE, deploy_cli.render_compose), (CPU_OVERRIDE, deploy_cli.render_cpu_override)],
+    [(COMPOSE, deploy.render_compose), (CPU_OVERRIDE, deploy.render_cpu_override)],
     ids=["gpu", "cpu"],
 )
 def test_checked_in_files_are_the_generators_output(path: Path, render: Any) -> None:
@@ -127,8 +127,8 @@ def test_checked_in_files_are_the_generators_output(path: Path, render: Any) -> 
 def test_deploy_compose_command_writes_the_file(tmp_path: Path) -> None:
     parser = _parser()
     output = tmp_path / "compose.yml"
-    assert deploy_cli.main(parser.parse_args(["compose", "--prefill", "4", "--decode", "4", "-o", str(output)])) == 0
-    assert output.read_text() == deploy_cli.render_compose(Topology(4, 4))
+    assert deploy.main(parser.parse_args(["compose", "--prefill", "4", "--decode", "4", "-o", str(output)])) == 0
+    assert output.read_text() == deploy.render_compose(Topology(4, 4))
 
 
 @pytest.mark.parametrize(("option", "value"), [("--prefill", "0"), ("--decode", "-1"), ("--prefill", "x")])
@@ -141,7 +141,7 @@ def test_deploy_compose_rejects_bad_counts(option: str, value: str, capsys: pyte
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem deploy")
-    deploy_cli.add_arguments(parser)
+    deploy.add_arguments(parser)
     return parser
 
 
@@ -150,8 +150,8 @@ def _parser() -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)
 def test_compose_files_follow_the_compose_spec(topology: Topology, validator: Any) -> None:
-    base = load(deploy_cli.render_compose(topology))
-    override = load(deploy_cli.render_cpu_override(topology))
+    base = load(deploy.render_compose(topology))
+    override = load(deploy.render_cpu_override(topology))
     assert schema_errors(validator, base) == []
     assert schema_errors(validator, without_resets(override)) == []
     assert schema_errors(validator, merge(base, override)) == []
@@ -196,7 +196,7 @@ def test_a_misspelt_value_or_anchor_key_fails_validation(validator: Any) -> None
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)
 def test_each_worker_holds_its_own_gpu_as_cuda_0(topology: Topology) -> None:
-    document = load(deploy_cli.render_compose(topology))
+    document = load(deploy.render_compose(topology))
     found = workers(document)
     gpus = {}
     for name, service in found.items():
@@ -313,7 +313,7 @@ def test_cpu_override_runs_the_same_services_without_gpus(compose: dict[str, Any
         on_cpu = cpu_merged["services"][name]
         assert "deploy" not in on_cpu, name
         if "build" in service:
-            assert on_cpu["image"] == deploy_cli.CPU_IMAGE
+            assert on_cpu["image"] == deploy.CPU_IMAGE
             assert on_cpu["build"] == {"context": "..", "dockerfile": "infra/docker/Dockerfile.cpu"}
         expected = [("cpu" if arg == "cuda:0" else arg) for arg in service.get("command", [])]
         assert on_cpu.get("command", []) == expected, name

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from services.common.tracing import extract_context, inject_metadata, setup_tracing
-from tandem import cli, trace_cli
+from tandem.cli import main as cli
+from tandem.cli import trace
 from tandem.spans import Attr, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 T0 = 1_700_000_000_000_000_000
@@ -201,7 +202,7 @@ def test_a_span_still_open_marks_the_trace_incomplete(tmp_path: Path, capsys: py
     _write(tmp_path, written, started=_request_7())
 
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path))
-    assert code == trace_cli.EXIT_INCOMPLETE == 3
+    assert code == trace.EXIT_INCOMPLETE == 3
     assert out.splitlines()[0] == (f"request req-7  trace {TRACE}  4 services  10 spans  400.0ms  "
                                    "INCOMPLETE: 1 span(s) not written yet (decode.request)")
     assert err == ("tandem trace: trace incomplete: 1 span(s) not written yet (decode.request); rerun in a "
@@ -246,7 +247,7 @@ def test_wait_polls_until_the_trace_is_whole(tmp_path: Path, monkeypatch: pytest
             _write(tmp_path, [decode], started=[])
         polls.append(seconds)
 
-    monkeypatch.setattr(trace_cli.time, "sleep", decode_ends_during_the_first_poll)
+    monkeypatch.setattr(trace.time, "sleep", decode_ends_during_the_first_poll)
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--wait", "30")
     assert (code, err, len(polls)) == (0, "", 1)
     assert _rows(out) == EXPECTED_ROWS

@@ -28,7 +28,7 @@ from services.common.tracing import (
     setup_tracing,
 )
 from tandem.spans import SpanRecord, load_span_files
-from tandem.trace_view import trace_gaps
+from tandem.cli.trace_view import trace_gaps
 from tests.waiting import DEADLINE_S, wait_until
 
 GENAI_REQUEST = {

@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from services.common.health_cli import check
-from tandem.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
-from tandem.up import Endpoint, _devices
+from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
+from tandem.cli.up import Endpoint, _devices
 
 REPO = Path(__file__).resolve().parents[2]
 # A `services` package that puts stand-ins for scheduler, prefill and decode in front of the real

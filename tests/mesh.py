@@ -1,4 +1,4 @@
-"""Starts a real local Tandem mesh with `tandem up` and reaches each of its services over gRPC.
+"""Test harness: starts a real local Tandem mesh with `tandem up` and reaches each of its services over gRPC.
 
 The launcher prints one line per endpoint (`NAME KIND ADDRESS [pid N]`) and then `ready`;
 `Mesh` parses those lines, so the tests reach every service by its real address. The mesh runs

@@ -1,7 +1,8 @@
 """The `tandem` command: a thin dispatcher over subcommands.
 
-Each subcommand lives in its owning module, which exposes `add_arguments(parser)` and
-`main(args) -> int`; only the module of the command being run is imported.
+Each subcommand lives in its own module (tandem/cli/ for the tools, the service's `main` module for
+a service), which exposes `add_arguments(parser)` and `main(args) -> int`; only the module of the
+command being run is imported, so `tandem --help` and `tandem trace` never load torch.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "up": Command("tandem.up", "start the whole system locally (Redis, scheduler, workers, gateway)"),
+    "up": Command("tandem.cli.up", "start the whole system locally (Redis, scheduler, workers, gateway)"),
     "gateway": Command("services.gateway.main", "run the gateway (gRPC and OpenAI-compatible HTTP)"),
     "scheduler": Command("services.scheduler.main", "run the scheduler"),
     "prefill": Command("services.prefill.main", "run a prefill worker"),
     "decode": Command("services.decode.main", "run a decode worker"),
     "colocated": Command("services.colocated.main", "run a worker that both prefills and decodes"),
     "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
-    "model": Command("tandem.model_cli", "manage models: pull the default model, show a model's sizes"),
-    "generate": Command("tandem.generate_cli", "generate text in-process with the engine"),
-    "trace": Command("tandem.trace_cli", "show a request's end-to-end trace"),
-    "deploy": Command("tandem.deploy_cli", "write a docker compose deployment for N prefill and M decode workers"),
+    "model": Command("tandem.cli.model", "manage models: pull the default model, show a model's sizes"),
+    "generate": Command("tandem.cli.generate", "generate text in-process with the engine"),
+    "trace": Command("tandem.cli.trace", "show a request's end-to-end trace"),
+    "deploy": Command("tandem.cli.deploy", "write a docker compose deployment for N prefill and M decode workers"),
 }
 
 
@@ -90,7 +91,3 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

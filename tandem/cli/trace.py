@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.paths import run_dir
 from tandem.spans import Attr, LoadedSpans, SpanRecord, load_span_files, spans_from_jaeger
-from tandem.trace_view import (
+from tandem.cli.trace_view import (
     Gaps,
     build_tree,
     recent_requests,

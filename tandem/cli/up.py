@@ -1,7 +1,7 @@
 """`tandem up`: the whole system on this machine. Starts Redis (when redis-server is installed, else
 the scheduler's embedded store), the scheduler, the workers and the gateway as child processes,
 waits until each answers, prints one line per endpoint and then `ready`, restarts any that exits
-(tandem/supervisor.py says how), and stops them all on Ctrl-C or SIGTERM.
+(tandem/cli/supervisor.py says how), and stops them all on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from urllib.parse import quote, urlsplit
 import grpc
 
 from tandem.paths import run_dir
-from tandem.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
+from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
