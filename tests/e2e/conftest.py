@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.mesh import Mesh
 from tests.e2e.api import API_KEY, AUTH, MESH_ENV
+from tests.mesh import Mesh
 
 
 @pytest.fixture(scope="package")

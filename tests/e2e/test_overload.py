@@ -18,8 +18,8 @@ import pytest
 import tandem
 from tandem.errors import Overloaded
 from services.gateway import client_errors
-from tests.mesh import Mesh, greedy_request
 from tests.e2e.api import API_KEY, AUTH, MESH_ENV, MODEL, prompt_of, sse_events
+from tests.mesh import Mesh, greedy_request
 from tests.waiting import DEADLINE_S, wait_until
 
 REQUEST_TIMEOUT_S = 8

@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway import client_errors
-from tests.mesh import Mesh
 from tandem.v1 import gateway_pb2
 from tests.e2e.api import API_KEY
+from tests.mesh import Mesh
 from tests.waiting import DEADLINE_S, wait_until
 
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)

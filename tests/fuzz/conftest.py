@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tests.mesh import Mesh
 from tests.fuzz.serving import MESH_ENV, reference_tokens
+from tests.mesh import Mesh
 
 
 @pytest.fixture(scope="package")

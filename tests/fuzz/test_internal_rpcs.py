@@ -24,7 +24,6 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from services.common.wire import MAX_ABORT_IDS
-from tests.mesh import Mesh
 from tandem.v1 import (
     common_pb2,
     kv_transfer_pb2,
@@ -37,6 +36,7 @@ from tandem.v1 import (
 from tests.fuzz.serving import FAULTS, Outcome, assert_still_serving, budget, outcome_of
 from tests.fuzz.strategies import COMMON_HINTS, INT32, odd_text
 from tests.fuzz.strategies import messages as message_strategy
+from tests.mesh import Mesh
 from tests.waiting import DEADLINE_S, wait_until
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from tests.mesh import Endpoint, Mesh, collect, greedy_request
 from tandem.v1 import common_pb2, gateway_pb2
+from tests.mesh import Endpoint, Mesh, collect, greedy_request
 from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "faults-key"

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.mesh import Mesh, collect, greedy_request
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
+from tests.mesh import Mesh, collect, greedy_request
 from tests.waiting import DEADLINE_S
 
 

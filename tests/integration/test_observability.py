@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from tandem.spans import Attr, Event, SpanName, SpanRecord, load_span_files
-from tests.mesh import Mesh, collect, greedy_request
 from tandem.cli.trace_view import request_spans, trace_gaps
 from tandem.v1 import gateway_pb2
+from tests.mesh import Mesh, collect, greedy_request
 from tests.waiting import DEADLINE_S, wait_until
 
 

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from services.common.health_cli import SERVING, check
-from tests.mesh import Mesh, collect, greedy_request
 from tests.hf_reference import Reference, assert_matches
+from tests.mesh import Mesh, collect, greedy_request
 
 pytestmark = pytest.mark.slow
 
