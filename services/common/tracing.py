@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tandem.paths import run_dir as default_run_dir
+from services.common.paths import run_dir as default_run_dir
 from tandem.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 __all__ = [

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tandem.paths import run_dir
+from services.common.paths import run_dir
 from tandem.spans import Attr, LoadedSpans, SpanRecord, load_span_files, spans_from_jaeger
 from tandem.cli.trace_view import (
     Gaps,

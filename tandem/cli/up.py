@@ -22,7 +22,7 @@ from urllib.parse import quote, urlsplit
 
 import grpc
 
-from tandem.paths import run_dir
+from services.common.paths import run_dir
 from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
