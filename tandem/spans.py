@@ -52,6 +52,8 @@ class Attr:
     TTFT_S = "tandem.ttft_s"  # time to first token, from the span's start
     ITL_MEAN_S = "tandem.itl.mean_s"  # mean inter-token gap
     ITL_MAX_S = "tandem.itl.max_s"  # largest inter-token gap
+    MIGRATION_FROM = "tandem.migration.from_worker"  # the generating worker of the attempt that ended
+    MIGRATION_OFFSET = "tandem.migration.output_offset"  # tokens delivered before the continuation
 
 
 class SpanName:
@@ -75,6 +77,7 @@ class Event:
 
     FIRST_TOKEN = "first_token"
     PREEMPTED = "preempted"
+    MIGRATED = "migrated"  # the request moved to another worker after its worker was lost
 
 
 @dataclass(slots=True)

@@ -79,6 +79,8 @@ class ServiceMetrics:
         self.prefix_cache_hits = counter(
             "tandem:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("tandem:num_preemptions_total", "Sequences preempted for lack of KV blocks.")
+        self.num_migrations = counter(
+            "tandem:num_migrations_total", "Requests moved to another worker after theirs was lost.")
         self.kv_transfer_bytes = counter("tandem:kv_transfer_bytes_total", "KV cache bytes transferred.")
         self.prompt_tokens = counter("tandem:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("tandem:generation_tokens_total", "Tokens generated.")

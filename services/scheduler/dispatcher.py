@@ -5,16 +5,22 @@ has room for its KV, or is refused; then it is routed, started on its workers (l
 relayed until its final event: token 0 from the prefill worker, the rest from the decode worker,
 each on its own ReportTokens stream (or all from a colocated one). A request whose Reserve every
 decode worker refused for lack of blocks goes back to the head of the queue until one reports
-room. Whatever ends the stream (final event, Abort, error, the call cancelled, the deadline),
-`_close` runs exactly once: the request leaves every table, what workers still hold for it is
-aborted unless it finished, and a decode reservation it never used is released.
+room. When the decode or colocated worker generating a started request is lost (or its prefill
+worker, before the first token came back), the request moves: with migration on, its continuation
+(migration.py) is placed like a new request, at the head of the queue if no decode worker has room,
+and the relay goes on at the same output offset. Whatever ends the stream (final event, Abort,
+error, the call cancelled, the deadline), `_close` runs exactly once: the request leaves every
+table, what workers still hold for it is aborted unless it finished, and a decode reservation it
+never used is released.
 
 Failures reach the gateway as the Submit call's gRPC status, never as an in-band error event,
 with a stable message naming the request id (failures.py; the detail goes to the log and span):
 INVALID_ARGUMENT when the prompt's KV fits on no decode worker; RESOURCE_EXHAUSTED with the retry
 hint from the queue's drain rate (trailing `retry-after`, whole seconds, and `retry-after-ms`)
 when the queue is full; UNAVAILABLE when a worker holding the request is lost (its token stream
-ends, its heartbeat lapses, or a call to it is cut) or no worker can serve it; DEADLINE_EXCEEDED;
+ends, its heartbeat lapses, or a call to it is cut) and the request cannot move (migration off,
+presence or frequency penalties after its first token, no worker left), or no worker can serve
+it; DEADLINE_EXCEEDED;
 a worker's own status code otherwise; INTERNAL for anything unexpected.
 """
 
@@ -31,19 +37,20 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError
+from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.store import WorkerLoad, WorkerRole
 from services.common.tracing import Attr, SpanName, TokenTimings, extract_context
+from tandem.spans import Event
 from services.common.wire import FINISH_REASON_FROM_PROTO
-from services.scheduler import failures
+from services.scheduler import failures, migration
 from services.scheduler.admission import Admission, TicketState
 from services.scheduler.deadline import Deadline
-from services.scheduler.inflight import InflightTable, RequestState
+from services.scheduler.inflight import InflightTable, Placement, RequestState
 from services.scheduler.launcher import Launcher
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.relay import Relay
+from services.scheduler.relay import Interrupted, Relay
 from services.scheduler.router import cached_tokens
 from services.scheduler.stats import Counters, Outcome, snapshot
 from services.scheduler.streams import TokenStreams
@@ -61,15 +68,18 @@ class Dispatcher:
     """Call order: start(), then submit()/abort()/worker events from the servicer, close() last."""
 
     def __init__(self, registry: WorkerRegistry, clients: WorkerClients, *, max_queue: int, max_running: int,
-                 metrics: ServiceMetrics | None = None, tracer: trace.Tracer | None = None) -> None:
+                 migration: bool = True, metrics: ServiceMetrics | None = None,
+                 tracer: trace.Tracer | None = None) -> None:
         self.registry = registry
         self.clients = clients
         self.inflight = InflightTable()
         self.admission = Admission(max_queue, self._capacity)
         self.counters = Counters()
         self.streams = TokenStreams(self.on_token_batch, self.worker_lost)
-        self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl)
+        self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl,
+                                  on_lost=self._attempt_lost)
         self._max_running = max_running
+        self._migration = migration
         self._metrics = metrics or ServiceMetrics("", "scheduler")
         self._tracer = tracer or trace.get_tracer("tandem.scheduler")
         self._draining: set[str] = set()
@@ -105,10 +115,15 @@ class Dispatcher:
         try:
             await self._place(state)
             with self._relay_span(state) as timings:
-                async for event in state.relay.events(state.deadline.remaining):
-                    if event.token_ids:
-                        timings.record(len(event.token_ids))
-                    yield self._outgoing(state, event)
+                while True:
+                    try:
+                        async for event in state.relay.events(state.deadline.remaining):
+                            if event.token_ids:
+                                timings.record(len(event.token_ids))
+                            yield self._outgoing(state, event)
+                        break
+                    except Interrupted as interruption:
+                        await self._resume(state, interruption)
         except TandemError as error:
             state.error = error
             raise
@@ -144,7 +159,7 @@ class Dispatcher:
         sampling = request.sampling
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(_SEED_BITS)
         deadline = Deadline.of(context.time_remaining(), request.deadline_unix_ms)
-        state = RequestState(request, deadline, span, Relay(request.request_id), seed=seed)
+        state = RequestState(request, deadline, span, Relay(request.request_id), Placement(request), seed=seed)
         self.inflight.add(state)
         self.counters.submitted += 1
         return state
@@ -154,11 +169,32 @@ class Dispatcher:
         no decode worker has room for its KV. Returns when it runs, or when its stream has ended."""
         self._check_fits(state)
         state.ticket = self.admission.enter(state.request_id, lambda: self._ready(state))
-        while await self._wait_turn(state):
-            if await self._start(state):
-                break
-            self.admission.requeue(state.ticket)
+        if await self._wait_turn(state):
+            await self._start_in_turn(state)
         self._metrics.request_queue_time.observe(state.queued_s)
+        self._update_gauges()
+
+    async def _start_in_turn(self, state: RequestState) -> None:
+        """Start the request on its running slot; back to the head of the queue while no decode
+        worker has room for its KV."""
+        assert state.ticket is not None
+        while not await self._start(state):
+            self.admission.requeue(state.ticket)
+            if not await self._wait_turn(state):
+                return
+
+    async def _resume(self, state: RequestState, interruption: Interrupted) -> None:
+        """Start the continuation _attempt_lost placed; the loss's error when no worker can take it."""
+        if room(self.registry, self.inflight, state.placement.request) is Room.NEVER:
+            raise interruption.error
+        try:
+            await self._start_in_turn(state)
+        except Unavailable:
+            raise interruption.error from None
+        if state.relay.closed:
+            return  # aborted meanwhile
+        self.counters.migrated += 1
+        self._metrics.num_migrations.inc()
         self._update_gauges()
 
     async def _wait_turn(self, state: RequestState) -> bool:
@@ -171,23 +207,24 @@ class Dispatcher:
             except TimeoutError:
                 raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
                                        f"queue ({self.admission.waiting} waiting)") from None
-        state.queued_s = time.monotonic() - state.arrival
+        if not state.migrations:
+            state.queued_s = time.monotonic() - state.arrival
         return turn and not state.relay.closed
 
     def _ready(self, state: RequestState) -> bool:
         """The request's KV may fit now (or will never: routing then refuses it at once)."""
-        return room(self.registry, self.inflight, state.request) is not Room.LATER
+        return room(self.registry, self.inflight, state.placement.request) is not Room.LATER
 
     def _check_fits(self, state: RequestState) -> None:
-        if room(self.registry, self.inflight, state.request) is Room.NEVER:
-            raise never_fits(self.registry, state.request)
+        if room(self.registry, self.inflight, state.placement.request) is Room.NEVER:
+            raise never_fits(self.registry, state.placement.request)
 
     async def _start(self, state: RequestState) -> bool:
         """Route the request, reserve its decode blocks, and start it on its workers. False when no
         decode worker had room for it after all; True once it started, or its stream ended meanwhile."""
         self._check_fits(state)
         with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
-            plan = await plan_route(self.registry, self.inflight, state.request)
+            plan = await plan_route(self.registry, self.inflight, state.placement.request)
             if state.relay.closed:
                 return True
             self._assign_prefill(state, plan)
@@ -198,7 +235,8 @@ class Dispatcher:
                     span.set_attribute(Attr.ROUTE_SCORES, plan.scores_json())
                     return state.relay.closed
                 decode, block_ids = reserved
-            state.route = plan.route_info(state.request_id, decode.worker_id if decode else "", state.reserved_blocks)
+            state.route = plan.route_info(state.request_id, decode.worker_id if decode else "",
+                                          state.placement.reserved_blocks)
             self.counters.routes.append(state.route)
             span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
                                  Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
@@ -214,12 +252,13 @@ class Dispatcher:
     def _assign_prefill(self, state: RequestState, plan: RoutePlan) -> None:
         best = plan.prefill[0]
         worker = plan.workers[best.worker_id]
-        state.colocated = plan.colocated
-        state.prefill = worker
-        cached = cached_tokens(best.cached_blocks, worker.info.block_size, state.prompt_tokens)
-        state.uncached_tokens = state.prompt_tokens - cached
+        placement = state.placement
+        placement.colocated = plan.colocated
+        placement.prefill = worker
+        cached = cached_tokens(best.cached_blocks, worker.info.block_size, placement.prompt_tokens)
+        placement.uncached_tokens = placement.prompt_tokens - cached
         if plan.colocated:
-            state.holders[best.worker_id] = worker
+            placement.holders[best.worker_id] = worker
 
     def _outgoing(self, state: RequestState, event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
         """A worker event as the gateway gets it: the route on the first, the scheduler's timings."""
@@ -233,6 +272,8 @@ class Dispatcher:
             self._stamp(state, event.timings, now, final)
         if final:
             state.finish_reason = event.finish_reason
+            if state.relay.base:
+                migration.restate_usage(event.usage, state.prompt_tokens, event.output_offset + len(event.token_ids))
         event.ClearField("error")
         state.events_sent += 1
         return event
@@ -257,7 +298,7 @@ class Dispatcher:
             return
         state.closed = True
         state.relay.finish(common_pb2.FINISH_REASON_ABORT)  # nothing more is delivered
-        self.inflight.remove(state.request_id)
+        self.inflight.remove(state)
         if state.ticket is not None:
             self.admission.leave(state.ticket)
         outcome = _outcome(state)
@@ -265,7 +306,7 @@ class Dispatcher:
         if outcome is Outcome.COMPLETED:
             self._launcher.release_unused(state)
         else:
-            self._launcher.abort(state, _abort_reason(state))
+            self._launcher.abort(state, state.placement, _abort_reason(state))
         reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
         if reason is not None:
             self._metrics.request_success(reason).inc()
@@ -279,35 +320,61 @@ class Dispatcher:
     def on_token_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
         """One iteration's events from a worker's ReportTokens stream, to their requests' relays."""
         for event in batch.events:
-            state = self.inflight.get(event.request_id)
+            state = self.inflight.by_attempt(event.request_id)
             if state is None:
-                continue  # ended already (aborted, failed): late tokens are dropped
+                continue  # ended already (aborted, failed, moved): late tokens are dropped
+            placement = state.placement
+            event.request_id = state.request_id
             if not event.worker_id:
                 event.worker_id = worker_id
             if event.finish_reason == _ERROR:
                 state.relay.fail(failures.from_event(state, event))
                 continue
             if event.output_offset == 0:
-                state.prefill_pending = False
-            if state.decode is not None and worker_id == state.decode.info.worker_id:
-                state.decode_reported = True
+                placement.prefill_pending = False
+            if placement.decode is not None and worker_id == placement.decode.info.worker_id:
+                placement.decode_reported = True
             state.relay.push(event)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
-        """Fail every request the worker holds with UNAVAILABLE and stop routing to it. A request
-        whose Reserve it had in flight is not failed: closing the channel cuts the call, and the
-        request tries the next decode worker."""
+        """End the attempts the worker holds (their requests move on, or fail with UNAVAILABLE) and
+        stop routing to it. A request whose Reserve it had in flight is left alone: closing the
+        channel cuts the call, and the request tries the next decode worker."""
         held = self.inflight.held_by(worker_id)
-        address = held[0].holders[worker_id].info.address if held else None
-        failed = [state for state in held if state.decode is not None or state.colocated]
+        address = held[0].placement.holders[worker_id].info.address if held else None
+        ended = [state for state in held if state.placement.decode is not None or state.placement.colocated]
         for state in held:
-            del state.holders[worker_id]
-        for state in failed:
-            state.relay.fail(failures.lost(state, worker_id, reason))
-        log.warning("worker %s lost (%s): %d request(s) failed", worker_id, reason, len(failed))
+            del state.placement.holders[worker_id]
+        moved = sum(self._attempt_lost(state, state.placement, failures.lost(state, worker_id, reason))
+                    for state in ended)
+        log.warning("worker %s lost (%s): %d request(s) moved to other workers, %d failed", worker_id, reason,
+                    moved, len(ended) - moved)
         self._draining.discard(worker_id)
         self.registry.forget(worker_id)
         self._spawn(self._forget(worker_id, address))
+
+    def _attempt_lost(self, state: RequestState, placement: Placement, error: TandemError) -> bool:
+        """A worker of the request's attempt was lost: move the request to a continuation (True),
+        which its Submit stream starts when the relay reaches the interruption, or fail it with
+        `error`. An attempt that is no longer current changes nothing."""
+        if state.placement is not placement or state.relay.closed:
+            return False
+        delivered = state.relay.next_offset
+        refusal = "migration is off" if not self._migration else migration.refusal(
+            state.request, delivered, state.migrations)
+        if refusal is not None:
+            log.info("request %s cannot move to another worker: %s", state.request_id, refusal)
+            state.relay.fail(error)
+            return False
+        state.migrations += 1
+        attempt_id = migration.attempt_id(state.request_id, state.migrations)
+        moved = migration.continuation(state.request, state.relay.tokens, attempt_id)
+        old = self.inflight.move(state, Placement(moved))
+        self._launcher.abort(state, old, "the request moved to another worker")
+        state.relay.interrupt(error)
+        state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_FROM: old.generator_id or "",
+                                              Attr.MIGRATION_OFFSET: delivered})
+        return True
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Renew a worker. False tells it to register again, upon which it drops every request it

@@ -1,9 +1,12 @@
-"""The requests this scheduler holds, and the load its dispatched ones put on workers.
+"""The requests this scheduler holds, and the load their placements put on workers.
 
 A request enters the table when its Submit call arrives (it may wait in the queue first) and
-leaves when its Submit stream ends, whatever the outcome. `holders` are the workers that may hold
-state for it (a prefill worker until its Prefill call returns, the decode or colocated worker
-until the end): if one is lost, the request fails.
+leaves when its Submit stream ends, whatever the outcome. Its progress (the relay, timings,
+outcome) lives on the RequestState; where it runs lives on its Placement, one per attempt: the
+workers know an attempt by its own id (the request id, then one per migration), and only the
+current attempt's events reach the request. `holders` are the workers that may hold state for the
+attempt (a prefill worker until its Prefill call returns, the decode or colocated worker until the
+end): if one is lost, the attempt ends (the request moves, or fails).
 """
 
 from __future__ import annotations
@@ -23,17 +26,10 @@ from tandem.v1 import common_pb2, scheduler_pb2
 
 
 @dataclass(slots=True)
-class RequestState:
-    """One request from admission to the end of its Submit stream."""
+class Placement:
+    """One attempt of a request on workers: what they were sent and what they hold for it."""
 
-    request: scheduler_pb2.SubmitRequest
-    deadline: Deadline
-    span: trace.Span
-    relay: Relay
-    seed: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    queued_s: float = 0.0
-    ticket: Ticket | None = None  # its place in the waiting queue, then its running slot
+    request: scheduler_pb2.SubmitRequest  # as the workers get it: the client's, or a continuation
     colocated: bool = False
     prefill: WorkerRecord | None = None  # the colocated worker in colocated mode
     decode: WorkerRecord | None = None
@@ -43,12 +39,42 @@ class RequestState:
     reserved_at: float = 0.0
     decode_reported: bool = False  # the decode worker sent an event for it
     holders: dict[str, WorkerRecord] = field(default_factory=dict)
+    prefill_task: asyncio.Task | None = None
+    landing: asyncio.Future | None = None  # the last Reserve or Run call (it may be in flight)
+
+    @property
+    def attempt_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.token_ids)
+
+    @property
+    def generator_id(self) -> str | None:
+        """The decode or colocated worker that generates (or will generate) the attempt's tokens."""
+        worker = self.prefill if self.colocated else self.decode
+        return None if worker is None else worker.info.worker_id
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One request from admission to the end of its Submit stream."""
+
+    request: scheduler_pb2.SubmitRequest
+    deadline: Deadline
+    span: trace.Span
+    relay: Relay
+    placement: Placement
+    seed: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    queued_s: float = 0.0
+    ticket: Ticket | None = None  # its place in the waiting queue, then its running slot
+    migrations: int = 0
     route: scheduler_pb2.RouteInfo | None = None
     timings: common_pb2.RequestTimings = field(default_factory=common_pb2.RequestTimings)
     first_token_at: float | None = None
     events_sent: int = 0
-    prefill_task: asyncio.Task | None = None
-    landing: asyncio.Future | None = None  # the last Reserve or Run call (it may be in flight)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: Exception | None = None
     closed: bool = False
@@ -63,50 +89,65 @@ class RequestState:
 
 
 class InflightTable:
-    """Dispatched requests by id, with the per-worker sums routing adds to the workers' reports."""
+    """Requests by id and by their current attempt's id, with the per-worker sums routing adds to
+    the workers' reports."""
 
     def __init__(self) -> None:
         self._states: dict[str, RequestState] = {}
+        self._attempts: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
         return len(self._states)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
+        """Whether the id is in use, by a request or by a current attempt on the workers."""
+        return request_id in self._states or request_id in self._attempts
 
     def __iter__(self) -> Iterator[RequestState]:
         return iter(list(self._states.values()))
 
     def add(self, state: RequestState) -> None:
         self._states[state.request_id] = state
+        self._attempts[state.placement.attempt_id] = state
 
     def get(self, request_id: str) -> RequestState | None:
         return self._states.get(request_id)
 
-    def remove(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+    def by_attempt(self, attempt_id: str) -> RequestState | None:
+        """The request whose current attempt the workers know by this id."""
+        return self._attempts.get(attempt_id)
+
+    def move(self, state: RequestState, placement: Placement) -> Placement:
+        """Replace the request's placement; the old attempt's id leaves the table. Returns the old one."""
+        old = state.placement
+        self._attempts.pop(old.attempt_id, None)
+        state.placement = placement
+        self._attempts[placement.attempt_id] = state
+        return old
+
+    def remove(self, state: RequestState) -> None:
+        self._states.pop(state.request_id, None)
+        self._attempts.pop(state.placement.attempt_id, None)
 
     def held_by(self, worker_id: str) -> list[RequestState]:
-        return [s for s in self._states.values() if worker_id in s.holders]
+        return [s for s in self._states.values() if worker_id in s.placement.holders]
 
     def holders(self) -> set[str]:
-        return {worker_id for s in self._states.values() for worker_id in s.holders}
+        return {worker_id for s in self._states.values() for worker_id in s.placement.holders}
 
     def queued_prefill_tokens(self, worker_id: str) -> int:
         """Prompt tokens this scheduler sent the worker to compute that have not produced a first token."""
-        return sum(s.uncached_tokens for s in self._states.values()
-                   if s.prefill_pending and s.prefill is not None and s.prefill.info.worker_id == worker_id)
+        return sum(p.uncached_tokens for p in self._placements()
+                   if p.prefill_pending and p.prefill is not None and p.prefill.info.worker_id == worker_id)
 
     def running(self, worker_id: str) -> int:
         """Requests generating (or about to) on the decode or colocated worker."""
-        return sum(1 for s in self._states.values() if _generator_id(s) == worker_id)
+        return sum(1 for p in self._placements() if p.generator_id == worker_id)
 
     def reserved_since(self, worker_id: str, since: float) -> int:
         """Blocks reserved on the decode worker after `since` (its last report), for requests still in flight."""
-        return sum(s.reserved_blocks for s in self._states.values()
-                   if s.decode is not None and s.decode.info.worker_id == worker_id and s.reserved_at > since)
+        return sum(p.reserved_blocks for p in self._placements()
+                   if p.decode is not None and p.decode.info.worker_id == worker_id and p.reserved_at > since)
 
-
-def _generator_id(state: RequestState) -> str | None:
-    worker = state.prefill if state.colocated else state.decode
-    return None if worker is None else worker.info.worker_id
+    def _placements(self) -> Iterator[Placement]:
+        return (s.placement for s in self._states.values())

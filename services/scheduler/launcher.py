@@ -9,7 +9,9 @@ cancelled completes anyway, and its Abort is sent after it, so no reservation ou
 Every call is bounded: Reserve, Run, Release and Abort by the control timeout (the heartbeat TTL:
 a worker that cannot answer within it would be declared lost anyway), Prefill by the request's
 deadline. A call whose channel is closed under it (its worker was lost) fails as
-UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status.
+UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status, or, for a
+Prefill that found a worker unreachable, the attempt ends and the request may move on. Each call
+names the request by its current attempt's id (inflight.Placement).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import grpc
 from services.common.errors import Overloaded, TandemError, Unavailable, grpc_status
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler import failures
-from services.scheduler.inflight import RequestState
+from services.scheduler.inflight import Placement, RequestState
 from services.scheduler.planner import RoutePlan
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Score
@@ -40,17 +42,20 @@ _REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED)
 
 Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
+OnLost = Callable[[RequestState, Placement, TandemError], None]
 
 
 class Launcher:
     """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
     quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked
-    full in `registry` until it reports again."""
+    full in `registry` until it reports again; `on_lost` ends an attempt whose Prefill found a
+    worker unreachable (the dispatcher moves the request on, or fails it)."""
 
     def __init__(self, clients: WorkerClients, spawn: Spawn, registry: WorkerRegistry,
-                 control_timeout: float) -> None:
+                 control_timeout: float, on_lost: OnLost) -> None:
         self.clients = clients
         self._spawn = spawn
+        self._on_lost = on_lost
         self._registry = registry
         self._control_timeout = control_timeout
 
@@ -59,7 +64,8 @@ class Launcher:
         of room, cannot be reached, or left the registry since the plan was made. None when none
         took it but one may make room: the request waits. Unavailable when every candidate tried
         was unreachable."""
-        request = worker_pb2.ReserveRequest(request_id=state.request_id, num_tokens=state.prompt_tokens + 1)
+        placement = state.placement
+        request = worker_pb2.ReserveRequest(request_id=placement.attempt_id, num_tokens=placement.prompt_tokens + 1)
         unreachable: Unavailable | None = None
         short = False
         for score in plan.decode:
@@ -68,13 +74,13 @@ class Launcher:
             if not self._registry.is_live(score.worker_id):
                 continue
             worker = plan.workers[score.worker_id]
-            state.holders[score.worker_id] = worker
+            placement.holders[score.worker_id] = worker
             try:
                 response = await self._landing(state, worker, "Reserve",
                                                self.clients.decode(worker.info.address).Reserve, request)
             except TandemError as error:
                 if grpc_status(error) in _REFUSED:
-                    state.holders.pop(score.worker_id, None)
+                    placement.holders.pop(score.worker_id, None)
                 if isinstance(error, Overloaded):
                     self._registry.mark_full(score.worker_id)
                     short = True
@@ -83,9 +89,9 @@ class Launcher:
                 else:
                     raise
                 continue
-            state.decode = worker
-            state.reserved_blocks = len(response.block_ids)
-            state.reserved_at = time.monotonic()
+            placement.decode = worker
+            placement.reserved_blocks = len(response.block_ids)
+            placement.reserved_at = time.monotonic()
             return score, list(response.block_ids)
         if unreachable is not None and not short:
             raise unreachable
@@ -93,52 +99,56 @@ class Launcher:
 
     def prefill(self, state: RequestState, block_ids: list[int]) -> None:
         """Start the Prefill call in the background: token 0 arrives on the worker's token stream."""
-        assert state.prefill is not None
-        state.holders[state.prefill.info.worker_id] = state.prefill
-        state.prefill_task = self._spawn(self._prefill(state, block_ids))
+        placement = state.placement
+        assert placement.prefill is not None
+        placement.holders[placement.prefill.info.worker_id] = placement.prefill
+        placement.prefill_task = self._spawn(self._prefill(state, placement, block_ids))
 
     async def run(self, state: RequestState) -> None:
         """Hand the request to its colocated worker (returns once it is queued there)."""
-        worker = state.prefill
+        placement = state.placement
+        worker = placement.prefill
         assert worker is not None
-        request = worker_pb2.RunRequest(request_id=state.request_id, token_ids=state.request.token_ids,
+        request = worker_pb2.RunRequest(request_id=placement.attempt_id, token_ids=placement.request.token_ids,
                                         sampling=_sampling(state), seed=state.seed,
-                                        cache_salt=state.request.cache_salt)
+                                        cache_salt=placement.request.cache_salt)
         await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
 
     def release_unused(self, state: RequestState) -> None:
         """A request that ended at its first token never used its decode reservation: free it."""
-        decode = state.decode
-        if decode is None or state.decode_reported:
+        placement = state.placement
+        decode = placement.decode
+        if decode is None or placement.decode_reported:
             return
-        request = worker_pb2.ReleaseRequest(request_id=state.request_id)
+        request = worker_pb2.ReleaseRequest(request_id=placement.attempt_id)
         call = self.clients.decode(decode.info.address).Release(
             request, timeout=self._control_timeout, metadata=self._metadata(state))
-        self._spawn(_quietly(call, f"Release of {state.request_id} on {decode.info.worker_id}"))
+        self._spawn(_quietly(call, f"Release of {placement.attempt_id} on {decode.info.worker_id}"))
 
-    def abort(self, state: RequestState, reason: str) -> None:
-        """Cancel the Prefill call and Abort the request on every worker that may hold it (idempotent there)."""
-        if state.prefill_task is not None:
-            state.prefill_task.cancel()
-        if state.holders or state.landing is not None:
-            self._spawn(self._abort_holders(state, reason))
+    def abort(self, state: RequestState, placement: Placement, reason: str) -> None:
+        """Cancel the attempt's Prefill call and Abort it on every worker that may hold it (idempotent there)."""
+        if placement.prefill_task is not None:
+            placement.prefill_task.cancel()
+        if placement.holders or placement.landing is not None:
+            self._spawn(self._abort_holders(state, placement, reason))
 
-    async def _prefill(self, state: RequestState, block_ids: list[int]) -> None:
+    async def _prefill(self, state: RequestState, placement: Placement, block_ids: list[int]) -> None:
         """The Prefill call (it returns after the KV transfer); its response backs up token 0.
-        Any failure ends the request's stream with a status."""
-        prefill, decode = state.prefill, state.decode
+        An unreachable worker ends the attempt through `on_lost` (the request may move on); any
+        other failure ends the request's stream with a status."""
+        prefill, decode = placement.prefill, placement.decode
         assert prefill is not None and decode is not None
         request = worker_pb2.PrefillRequest(
-            request_id=state.request_id, token_ids=state.request.token_ids, sampling=_sampling(state),
-            seed=state.seed, cache_salt=state.request.cache_salt, decode_address=decode.info.address,
+            request_id=placement.attempt_id, token_ids=placement.request.token_ids, sampling=_sampling(state),
+            seed=state.seed, cache_salt=placement.request.cache_salt, decode_address=decode.info.address,
             decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids)
         try:
             timeout = state.deadline.timeout(PREFILL_TIMEOUT_S)
             response = await self.clients.prefill(prefill.info.address).Prefill(
                 request, timeout=timeout, metadata=self._metadata(state))
         except grpc.aio.AioRpcError as exc:
-            state.relay.fail(failures.from_rpc(state, prefill, "Prefill", exc,
-                                               deadline_bound=timeout < PREFILL_TIMEOUT_S))
+            self._failed(state, placement, failures.from_rpc(state, prefill, "Prefill", exc,
+                                                             deadline_bound=timeout < PREFILL_TIMEOUT_S))
             return
         except TandemError as exc:
             state.relay.fail(exc)
@@ -146,27 +156,35 @@ class Launcher:
         except asyncio.CancelledError:
             if failures.caller_cancelled():
                 raise
-            state.relay.fail(failures.cut(state, prefill, "Prefill"))
+            self._failed(state, placement, failures.cut(state, prefill, "Prefill"))
             return
         except Exception as exc:
             state.relay.fail(failures.internal(state, exc))
             return
-        state.holders.pop(prefill.info.worker_id, None)
-        state.prefill_pending = False
+        placement.holders.pop(prefill.info.worker_id, None)
+        placement.prefill_pending = False
         state.timings.prefill_ms = response.timings.compute_ms
         state.timings.kv_transfer_ms = response.transfer.duration_ms
-        for event in prefill_events(state, response):
-            state.relay.push(event)
+        if state.placement is placement:
+            for event in prefill_events(state, response):
+                state.relay.push(event)
 
-    async def _abort_holders(self, state: RequestState, reason: str) -> None:
-        if state.landing is not None:
-            await asyncio.wait([state.landing])  # abort after a Reserve or Run in flight lands, not before
-        request = common_pb2.AbortRequest(request_ids=[state.request_id], reason=reason)
+    def _failed(self, state: RequestState, placement: Placement, error: TandemError) -> None:
+        """A Prefill that failed: a worker that stopped answering ends the attempt, anything else the request."""
+        if isinstance(error, Unavailable):
+            self._on_lost(state, placement, error)
+        elif state.placement is placement:
+            state.relay.fail(error)
+
+    async def _abort_holders(self, state: RequestState, placement: Placement, reason: str) -> None:
+        if placement.landing is not None:
+            await asyncio.wait([placement.landing])  # abort after a Reserve or Run in flight lands, not before
+        request = common_pb2.AbortRequest(request_ids=[placement.attempt_id], reason=reason)
         metadata = self._metadata(state)
         await asyncio.gather(*(
             _quietly(self._stub(worker).Abort(request, timeout=self._control_timeout, metadata=metadata),
-                     f"Abort of {state.request_id} on {worker_id}")
-            for worker_id, worker in list(state.holders.items())))
+                     f"Abort of {placement.attempt_id} on {worker_id}")
+            for worker_id, worker in list(placement.holders.items())))
 
     def _stub(self, worker: WorkerRecord) -> Any:
         stubs = {WorkerRole.PREFILL: self.clients.prefill, WorkerRole.DECODE: self.clients.decode,
@@ -182,10 +200,11 @@ class Launcher:
         cancelled meanwhile, the call still completes and the Abort can wait for it. Its failure
         raises the request's TandemError."""
         timeout = state.deadline.timeout(self._control_timeout)
-        state.landing = asyncio.ensure_future(method(request, timeout=timeout, metadata=self._metadata(state)))
-        state.landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
+        landing = state.placement.landing = asyncio.ensure_future(
+            method(request, timeout=timeout, metadata=self._metadata(state)))
+        landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
         try:
-            return await asyncio.shield(state.landing)
+            return await asyncio.shield(landing)
         except grpc.aio.AioRpcError as exc:
             raise failures.from_rpc(state, worker, call, exc,
                                     deadline_bound=timeout < self._control_timeout) from None
@@ -196,9 +215,9 @@ class Launcher:
 
 
 def _sampling(state: RequestState) -> common_pb2.SamplingParams:
-    """The request's sampling with its resolved seed, so every worker draws the same stream."""
+    """The attempt's sampling with the request's resolved seed, so every worker draws the same stream."""
     sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(state.request.sampling)
+    sampling.CopyFrom(state.placement.request.sampling)
     sampling.seed = state.seed
     return sampling
 
@@ -208,7 +227,8 @@ def prefill_events(state: RequestState, response: worker_pb2.PrefillResponse) ->
     lost), and the final event when the first token ended the request."""
     if response.finish_reason in (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR):
         return []  # aborted on the worker: whoever aborted it ends the stream
-    worker_id = state.prefill.info.worker_id if state.prefill else ""
+    prefill = state.placement.prefill
+    worker_id = prefill.info.worker_id if prefill else ""
     first = scheduler_pb2.TokenEvent(request_id=state.request_id, output_offset=0,
                                      token_ids=[response.first_token_id], worker_id=worker_id)
     if response.HasField("first_logprob"):

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from services.common import internal_auth
-from services.common.config import add_option, from_args
+from services.common.config import add_option, env_default, env_name, from_args, parse_bool
 from services.common.grpc_server import GrpcServer, create_server
 from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics_server
 from services.common.store import Store, StoreUnavailable, open_store
@@ -27,6 +27,7 @@ log = logging.getLogger("tandem.scheduler")
 _STORE_RETRY_S = 0.5
 _WATCHES_PER_TTL = 5
 _MAX_WATCH_INTERVAL_S = 0.5
+_MIGRATION_ENV = env_name("--migration")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ class SchedulerConfig:
     dispatched at once per decode (or colocated) worker; more wait in the queue. metrics_port: the
     Prometheus endpoint on `host` (0: off). heartbeat_ttl: seconds a worker stays live after its last
     heartbeat. internal_token: the secret internal callers present and this scheduler sends to workers
-    (`x-tandem-internal-token`; None: open, only under --insecure-internal)."""
+    (`x-tandem-internal-token`; None: open, only under --insecure-internal). migration: a request whose
+    generating worker is lost goes on on another one (services/scheduler/migration.py)."""
 
     host: str = "0.0.0.0"
     port: int = 50052
@@ -46,6 +48,7 @@ class SchedulerConfig:
     metrics_port: int = 9102
     heartbeat_ttl: float = 5.0
     internal_token: str | None = None
+    migration: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -70,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--metrics-port", type=int, default=9102, help="Prometheus /metrics port (0: off)")
     add_option(parser, "--heartbeat-ttl", type=float, default=5.0,
                help="seconds a worker stays in the registry after its last heartbeat")
+    parser.add_argument(
+        "--migration", action=argparse.BooleanOptionalAction, default=parse_bool(env_default(_MIGRATION_ENV, "true")),
+        help="when the worker generating a request is lost, re-prefill its prompt and the tokens delivered so far "
+             "on another worker and go on streaming (--no-migration: fail it with UNAVAILABLE). A request with a "
+             "presence or frequency penalty fails once it has a token, since those count output tokens only "
+             f"(env {_MIGRATION_ENV}; default true)")
     internal_auth.add_arguments(parser)
 
 
@@ -96,15 +105,16 @@ async def serve(config: SchedulerConfig) -> None:
     store = open_store(config.redis_url)
     clients = WorkerClients(config.internal_token)
     dispatcher = Dispatcher(WorkerRegistry(store, config.heartbeat_ttl), clients, max_queue=config.max_queue,
-                            max_running=config.max_running, metrics=metrics)
+                            max_running=config.max_running, migration=config.migration, metrics=metrics)
     server = create_server(config.host, config.port, internal_token=config.internal_token)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6)))
     try:
         await server.start()
         dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))
-        log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s)",
-                 config.host, server.port, store.name, config.max_queue, config.max_running, config.heartbeat_ttl)
+        log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s, migration %s)",
+                 config.host, server.port, store.name, config.max_queue, config.max_running, config.heartbeat_ttl,
+                 "on" if config.migration else "off")
         ready = asyncio.create_task(serve_once_store_answers(store, server))
         await server.run_until_signal()
         ready.cancel()

@@ -6,6 +6,11 @@ connections, so events may arrive out of order or twice. The relay keeps a curso
 gap fills, and tokens behind it are duplicates and dropped. The stream ends with the event that
 carries a finish reason, or with an error (fail(): a worker's error event becomes one in the
 dispatcher, which knows what the client may be told).
+
+A request whose worker was lost may go on elsewhere (migration.py): interrupt() drops the held
+events, whose gap will never fill, and makes events() raise Interrupted after what was delivered.
+The continuation's worker numbers its outputs from 0, so from then on every pushed event is
+shifted by `base`, the tokens delivered before the interruption; `tokens` keeps them all.
 """
 
 from __future__ import annotations
@@ -19,20 +24,32 @@ from tandem.v1 import common_pb2, scheduler_pb2
 TokenEvent = scheduler_pb2.TokenEvent
 
 
+class Interrupted(Exception):
+    """events() met an interrupt(): the request may go on from `offset` on another worker, or fail with `error`."""
+
+    def __init__(self, error: TandemError, offset: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.offset = offset
+
+
 class Relay:
     """Call order: push()/fail()/finish() from anywhere on the event loop; events() once, by the Submit stream."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.next_offset = 0
+        self.base = 0
+        self.tokens: list[int] = []
         self._held: dict[int, TokenEvent] = {}
-        self._ready: asyncio.Queue[TokenEvent | TandemError] = asyncio.Queue()
+        self._ready: asyncio.Queue[TokenEvent | TandemError | Interrupted] = asyncio.Queue()
         self.closed = False
 
     def push(self, event: TokenEvent) -> None:
         """Take one worker event; delivers it and any held events it unblocks, in order."""
         if self.closed:
             return
+        event.output_offset += self.base
         if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
             self._end_at_once(event)  # a worker that aborts a request ends it, whatever came before
             return
@@ -49,6 +66,16 @@ class Relay:
         if not self.closed:
             self._close(error)
 
+    def interrupt(self, error: TandemError) -> None:
+        """The worker generating the request was lost: events() raises Interrupted(error) after the
+        events delivered so far, and pushed events count from the cursor from now on. The caller
+        stops taking the lost attempt's events first."""
+        if self.closed:
+            return
+        self._held.clear()
+        self.base = self.next_offset
+        self._ready.put_nowait(Interrupted(error, self.next_offset))
+
     def finish(self, reason: int, worker_id: str = "") -> None:
         """End the stream now with an empty final event (e.g. FINISH_REASON_ABORT), dropping held tokens."""
         if not self.closed:
@@ -57,14 +84,14 @@ class Relay:
 
     async def events(self, remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
         """The ordered events up to the final one; raises the failure, or DeadlineExceeded when
-        `remaining()` (seconds left, None: no deadline) runs out first."""
+        `remaining()` (seconds left, None: no deadline) runs out first, Interrupted after an interrupt()."""
         while True:
             try:
                 item = await asyncio.wait_for(self._ready.get(), remaining())
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
-            if isinstance(item, TandemError):
+            if isinstance(item, (TandemError, Interrupted)):
                 raise item
             yield item
             if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -82,6 +109,7 @@ class Relay:
         if not event.token_ids and event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             return
         self.next_offset += len(event.token_ids)
+        self.tokens.extend(event.token_ids)
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._close(event)
         else:

@@ -27,6 +27,7 @@ class Outcome(StrEnum):
 @dataclass(slots=True)
 class Counters:
     submitted: int = 0
+    migrated: int = 0  # continuations started after a worker was lost (a request may move more than once)
     outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
     routes: deque[scheduler_pb2.RouteInfo] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
 
@@ -49,6 +50,7 @@ def snapshot(counters: Counters, admission: Admission, registry: WorkerRegistry,
         aborted=counters.outcomes[Outcome.ABORTED],
         failed=counters.outcomes[Outcome.FAILED],
         rejected=counters.outcomes[Outcome.REJECTED],
+        migrated=counters.migrated,
         recent_routes=counters.recent_routes(recent_routes),
     )
 

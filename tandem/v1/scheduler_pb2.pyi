@@ -92,7 +92,7 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self, recent_routes: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("waiting", "running", "max_queue", "degraded", "store", "workers", "submitted", "completed", "aborted", "failed", "rejected", "recent_routes")
+    __slots__ = ("waiting", "running", "max_queue", "degraded", "store", "workers", "submitted", "completed", "aborted", "failed", "rejected", "recent_routes", "migrated")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class SchedulerStats(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     RECENT_ROUTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     max_queue: int
@@ -117,7 +118,8 @@ class SchedulerStats(_message.Message):
     failed: int
     rejected: int
     recent_routes: _containers.RepeatedCompositeFieldContainer[RouteInfo]
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., max_queue: _Optional[int] = ..., degraded: _Optional[bool] = ..., store: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., submitted: _Optional[int] = ..., completed: _Optional[int] = ..., aborted: _Optional[int] = ..., failed: _Optional[int] = ..., rejected: _Optional[int] = ..., recent_routes: _Optional[_Iterable[_Union[RouteInfo, _Mapping]]] = ...) -> None: ...
+    migrated: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., max_queue: _Optional[int] = ..., degraded: _Optional[bool] = ..., store: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., submitted: _Optional[int] = ..., completed: _Optional[int] = ..., aborted: _Optional[int] = ..., failed: _Optional[int] = ..., rejected: _Optional[int] = ..., recent_routes: _Optional[_Iterable[_Union[RouteInfo, _Mapping]]] = ..., migrated: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("info", "load", "heartbeat_age_ms")

@@ -22,6 +22,7 @@ EXPECTED_FAMILIES = {
     "tandem:prefix_cache_queries_total": "counter",
     "tandem:prefix_cache_hits_total": "counter",
     "tandem:num_preemptions_total": "counter",
+    "tandem:num_migrations_total": "counter",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:prompt_tokens_total": "counter",

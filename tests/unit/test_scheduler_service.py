@@ -2,9 +2,10 @@
 the disaggregated and colocated flows, reservations, queue limits, aborts, deadlines, worker loss
 (token stream broken, heartbeat lapsed), the degraded store, and `tandem scheduler` + `tandem health`.
 
-A fake worker generates token i = 1000 + i. Its prefill reports token 0 on its ReportTokens
-stream and has the decode worker report the rest on its own; `hold` keeps a decode worker from
-finishing (it reports token 1 only).
+A fake worker generates token i = 1000 + i, like a deterministic model: a prompt that ends with
+tokens 1000..1000+k-1 (a migrated request's continuation) goes on with token k. Its prefill
+reports its first token on its ReportTokens stream and has the decode worker report the rest on
+its own; `hold` keeps a decode worker from finishing (it reports its first token only).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.health_cli import wait_until_serving
 from services.common.store import EmbeddedStore, Store
 from services.common.tracing import SpanName, setup_tracing
+from services.common.wire import DEFAULT_MAX_TOKENS
 from services.scheduler import dispatcher as dispatcher_module
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
+from tandem.spans import Attr, Event
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.redis_store import RedisStore
 from tests.flaky_store import FlakyStore
@@ -50,6 +53,11 @@ ROLES = {"p": common_pb2.WORKER_ROLE_PREFILL, "d": common_pb2.WORKER_ROLE_DECODE
 
 def token(i: int) -> int:
     return 1000 + i
+
+
+def generated(prompt: list[int]) -> int:
+    """How many outputs a (continued) prompt already holds."""
+    return sum(1 for t in prompt if t >= token(0))
 
 
 @dataclass
@@ -131,11 +139,12 @@ class FakeWorker:
     def called(self, method: str) -> list:
         return [c.request for c in self.calls if c.method == method]
 
-    def generate(self, request_id: str, prompt_tokens: int, max_tokens: int, start: int) -> None:
-        """Report tokens start..max_tokens-1: all at once, or token `start` only when holding."""
+    def generate(self, request_id: str, prompt_tokens: int, max_tokens: int, start: int, done: int = 0) -> None:
+        """Report outputs start..max_tokens-1 (tokens done+start...): all at once, or output `start`
+        only when holding."""
         end = start + 1 if self.hold else max_tokens
         for i in range(start, end):
-            event = scheduler_pb2.TokenEvent(request_id=request_id, output_offset=i, token_ids=[token(i)])
+            event = scheduler_pb2.TokenEvent(request_id=request_id, output_offset=i, token_ids=[token(done + i)])
             if i == max_tokens - 1:
                 event.finish_reason = LENGTH
                 event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=max_tokens))
@@ -147,8 +156,8 @@ class FakeWorker:
         self._record("Prefill", request, context)
         if self.hold_prefill:
             await asyncio.Event().wait()
-        max_tokens, prompt = request.sampling.max_tokens, len(request.token_ids)
-        first = scheduler_pb2.TokenEvent(request_id=request.request_id, output_offset=0, token_ids=[token(0)])
+        max_tokens, prompt, done = request.sampling.max_tokens, len(request.token_ids), generated(request.token_ids)
+        first = scheduler_pb2.TokenEvent(request_id=request.request_id, output_offset=0, token_ids=[token(done)])
         finished = max_tokens == 1
         if finished:
             first.finish_reason = LENGTH
@@ -157,11 +166,11 @@ class FakeWorker:
             self.report(first)
         if not finished:
             decode = self.mesh.by_address(request.decode_address)
-            decode.generate(request.request_id, prompt, max_tokens, start=1)
+            decode.generate(request.request_id, prompt, max_tokens, start=1, done=done)
         if self.late_first_token:
             await asyncio.sleep(0.05)
             self.report(first)
-        return worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=token(0),
+        return worker_pb2.PrefillResponse(request_id=request.request_id, first_token_id=token(done),
                                           prompt_tokens=prompt, finish_reason=first.finish_reason)
 
     async def Reserve(self, request: worker_pb2.ReserveRequest, context) -> worker_pb2.ReserveResponse:
@@ -187,7 +196,8 @@ class FakeWorker:
 
     async def Run(self, request: worker_pb2.RunRequest, context) -> worker_pb2.RunResponse:
         self._record("Run", request, context)
-        self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0)
+        self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0,
+                      done=generated(request.token_ids))
         return worker_pb2.RunResponse(request_id=request.request_id)
 
 
@@ -238,14 +248,14 @@ class Mesh:
 
 @asynccontextmanager
 async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
-                    store: Store | None = None, spans: InMemorySpanExporter | None = None,
+                    store: Store | None = None, spans: InMemorySpanExporter | None = None, migration: bool = True,
                     **options) -> AsyncIterator[Mesh]:
     """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
     `spans` when given."""
     registry = WorkerRegistry(store or EmbeddedStore(), ttl)
     tracer = setup_tracing("scheduler", exporter=spans, install_global=False).get_tracer("test") if spans else None
     dispatcher = Dispatcher(registry, WorkerClients(TOKEN), max_queue=max_queue, max_running=max_running,
-                            tracer=tracer)
+                            migration=migration, tracer=tracer)
     server = create_server("127.0.0.1", 0, internal_token=TOKEN)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id="test"))
@@ -495,9 +505,9 @@ async def test_an_unexpected_exception_is_internal_with_a_stable_message(monkeyp
 
 # -- worker loss ---------------------------------------------------------------------------------------
 
-async def test_a_broken_token_stream_fails_the_workers_requests_at_once_and_drops_it() -> None:
+async def test_a_broken_token_stream_without_migration_fails_the_workers_requests_at_once_and_drops_it() -> None:
     options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
-    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **options) as mesh:
+    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, migration=False, **options) as mesh:
         call = mesh.submit("doomed")
         await call.read()
         await call.read()
@@ -513,6 +523,101 @@ async def test_a_broken_token_stream_fails_the_workers_requests_at_once_and_drop
         assert await victim.heartbeat() is False  # it must register again
         events = [e async for e in mesh.submit("next")]
         assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+
+
+async def test_a_lost_decode_workers_request_moves_on_with_no_token_lost_or_repeated() -> None:
+    spans = InMemorySpanExporter()
+    options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
+    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, spans=spans, **options) as mesh:
+        call = mesh.submit("moved", max_tokens=6, seed=7, cache_salt="tenant")
+        first = [await call.read(), await call.read()]
+        await mesh.workers["d-0"].kill()
+        events = first + await asyncio.wait_for(rest(call), DEADLINE_S)
+
+        assert tokens_of(events) == [token(i) for i in range(6)]
+        assert [e.output_offset for e in events] == [0, 1, 2, 3, 4, 5]
+        assert events[-1].finish_reason == LENGTH
+        assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (20, 6)
+        prefill = mesh.workers["p-0"].called("Prefill")
+        assert [r.request_id for r in prefill] == ["moved", "moved#migrated-1"]
+        assert list(prefill[1].token_ids) == list(range(200, 220)) + [token(0), token(1)]
+        assert (prefill[1].sampling.max_tokens, prefill[1].seed, prefill[1].cache_salt) == (4, 7, "tenant")
+        assert prefill[1].decode_worker_id == "d-1"
+        assert [r.num_tokens for r in mesh.workers["d-1"].called("Reserve")] == [23]
+
+        stats = await mesh.idle()
+        assert (stats.completed, stats.failed, stats.migrated) == (1, 0, 1)
+        assert [(r.request_id, r.decode_worker_id) for r in stats.recent_routes] == [("moved", "d-0"), ("moved", "d-1")]
+        (submit,) = [s for s in spans.get_finished_spans() if s.name == SpanName.SCHEDULER_SUBMIT]
+        assert [dict(e.attributes) for e in submit.events if e.name == Event.MIGRATED] == [
+            {Attr.MIGRATION_FROM: "d-0", Attr.MIGRATION_OFFSET: 2}]
+
+
+async def test_a_moved_request_keeps_its_min_tokens_and_its_default_max_tokens_apart() -> None:
+    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **{"d-0": dict(hold=True, free_blocks=100)}) as mesh:
+        request = scheduler_pb2.SubmitRequest(request_id="r1", model=MODEL, token_ids=list(range(200, 210)),
+                                              sampling=common_pb2.SamplingParams(min_tokens=5))
+        call = mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+        await call.read()
+        await call.read()
+        await mesh.workers["d-0"].kill()
+        events = await rest(call)
+        assert tokens_of(events) == [token(i) for i in range(2, DEFAULT_MAX_TOKENS)]
+        (moved,) = [r for r in mesh.workers["p-0"].called("Prefill") if r.request_id == "r1#migrated-1"]
+        assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (DEFAULT_MAX_TOKENS - 2, 3)
+
+
+async def test_a_request_with_a_presence_penalty_fails_instead_of_moving_once_it_has_tokens() -> None:
+    options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
+    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **options) as mesh:
+        request = scheduler_pb2.SubmitRequest(
+            request_id="r1", model=MODEL, token_ids=list(range(200, 220)),
+            sampling=common_pb2.SamplingParams(max_tokens=4, presence_penalty=0.5))
+        call = mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+        await call.read()
+        await call.read()
+        await mesh.workers["d-0"].kill()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await asyncio.wait_for(rest(call), DEADLINE_S)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
+        stats = await mesh.idle()
+        assert (stats.failed, stats.migrated) == (1, 0)
+        assert mesh.workers["d-1"].calls == []
+
+
+async def test_a_request_whose_decode_worker_is_lost_with_no_other_left_is_unavailable() -> None:
+    async with scheduler("p-0", "d-0", ttl=3600.0, **{"d-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1")
+        await call.read()
+        await call.read()
+        await mesh.workers["d-0"].kill()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await asyncio.wait_for(rest(call), DEADLINE_S)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
+        stats = await mesh.idle()
+        assert (stats.failed, stats.migrated) == (1, 0)
+
+
+async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_request_is_routed_again() -> None:
+    async with scheduler("p-0", "p-1", "d-0", ttl=3600.0, **{"p-0": dict(hold_prefill=True)}) as mesh:
+        call = mesh.submit("r1")
+        await eventually(lambda: mesh.workers["p-0"].called("Prefill"), 'mesh.workers["p-0"].called("Prefill")')
+        await mesh.workers["p-0"].kill()
+        events = await asyncio.wait_for(rest(call), DEADLINE_S)
+
+        assert tokens_of(events) == [token(i) for i in range(4)]
+        assert [e.output_offset for e in events] == [0, 1, 2, 3]
+        assert events[0].route.prefill_worker_id == "p-1"
+        (moved,) = mesh.workers["p-1"].called("Prefill")
+        assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)))
+        decode = mesh.workers["d-0"]
+        assert [r.request_id for r in decode.called("Reserve")] == ["r1", "r1#migrated-1"]
+        await eventually(lambda: decode.called("Abort"), 'decode.called("Abort")')
+        assert [list(r.request_ids) for r in decode.called("Abort")] == [["r1"]]  # the first reservation
+        stats = await mesh.idle()
+        assert (stats.completed, stats.failed, stats.migrated) == (1, 0, 1)
 
 
 async def test_a_lapsed_heartbeat_fails_the_workers_requests_and_drops_it() -> None:

@@ -1,0 +1,57 @@
+"""Migration: a request whose generating worker was lost goes on from where its stream stands.
+
+Model: the scheduler relays every token, so it knows the tokens delivered so far. The continuation
+is a new request (a new attempt id on the workers, so the lost attempt's late events and aborts
+cannot touch it) whose prompt is the prompt plus those tokens, with max_tokens and min_tokens
+reduced by their count, and the same seed and cache salt. The sampler draws by absolute sequence
+position, so a seeded or greedy continuation produces the tokens the lost worker would have; the
+relay numbers its outputs from the delivered count. Presence and frequency penalties count output
+tokens only, and a worker cannot tell which prompt tokens were outputs: such a request moves only
+while nothing was delivered (then the continuation is the request itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.wire import DEFAULT_MAX_TOKENS
+from tandem.v1 import common_pb2, scheduler_pb2
+
+MAX_MIGRATIONS = 3  # a request that keeps losing its workers (it may be what kills them) fails after this many
+
+
+def refusal(request: scheduler_pb2.SubmitRequest, delivered: int, migrations: int) -> str | None:
+    """Why the request cannot move to another worker after `delivered` tokens; None when it can."""
+    if migrations >= MAX_MIGRATIONS:
+        return f"it moved {migrations} times already"
+    sampling = request.sampling
+    if delivered and (sampling.presence_penalty or sampling.frequency_penalty):
+        return "presence and frequency penalties count output tokens, which a continuation cannot tell apart"
+    return None
+
+
+def continuation(request: scheduler_pb2.SubmitRequest, delivered: Sequence[int],
+                 attempt_id: str) -> scheduler_pb2.SubmitRequest:
+    """The request as the next worker gets it: the delivered tokens appended to the prompt and taken
+    off max_tokens and min_tokens, under `attempt_id`."""
+    moved = scheduler_pb2.SubmitRequest()
+    moved.CopyFrom(request)
+    moved.request_id = attempt_id
+    moved.token_ids.extend(delivered)
+    sampling = moved.sampling
+    limit = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    sampling.max_tokens = limit - len(delivered)
+    sampling.min_tokens = max(0, sampling.min_tokens - len(delivered))
+    return moved
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id the workers know the request's `attempt`-th placement by (the first: the request id)."""
+    return request_id if attempt == 0 else f"{request_id}#migrated-{attempt}"
+
+
+def restate_usage(usage: common_pb2.Usage, prompt_tokens: int, completion_tokens: int) -> None:
+    """A continuation's final usage counted its delivered tokens as prompt: count them as output again."""
+    usage.prompt_tokens = prompt_tokens
+    usage.cached_tokens = min(usage.cached_tokens, prompt_tokens)
+    usage.completion_tokens = completion_tokens
