@@ -39,15 +39,15 @@ from opentelemetry import trace
 
 from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
-from services.common.store import WorkerLoad, WorkerRole
+from services.common.spans import Event
 from services.common.tracing import Attr, SpanName, TokenTimings, extract_context
-from tandem.spans import Event
 from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.scheduler import failures, migration
 from services.scheduler.admission import Admission, TicketState
 from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState
 from services.scheduler.launcher import Launcher
+from services.scheduler.membership import Membership
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.relay import Interrupted, Relay
@@ -73,16 +73,16 @@ class Dispatcher:
         self.registry = registry
         self.clients = clients
         self.inflight = InflightTable()
-        self.admission = Admission(max_queue, self._capacity)
+        self.membership = Membership(registry, self.inflight, clients, max_running=max_running, spawn=self._spawn,
+                                     end_attempt=self._attempt_lost, on_room=self._let_in)
+        self.admission = Admission(max_queue, self.membership.capacity)
         self.counters = Counters()
-        self.streams = TokenStreams(self.on_token_batch, self.worker_lost)
+        self.streams = TokenStreams(self.on_token_batch, self.membership.lost)
         self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl,
                                   on_lost=self._attempt_lost)
-        self._max_running = max_running
         self._migration = migration
         self._metrics = metrics or ServiceMetrics("", "scheduler")
         self._tracer = tracer or trace.get_tracer("tandem.scheduler")
-        self._draining: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
 
@@ -90,7 +90,7 @@ class Dispatcher:
 
     def start(self, watch_interval: float) -> None:
         """Watch the registry every `watch_interval` seconds for workers whose heartbeat lapsed."""
-        self._watcher = self._spawn(self._watch(watch_interval))
+        self._watcher = self._spawn(self.membership.watch(watch_interval))
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop watching; give the aborts and releases under way `grace` seconds, then cancel what is left."""
@@ -315,7 +315,7 @@ class Dispatcher:
             state.span.set_status(trace.StatusCode.ERROR, str(state.error))
         state.span.end()
 
-    # -- workers -------------------------------------------------------------------------------
+    # -- token events and lost attempts ---------------------------------------------------------
 
     def on_token_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
         """One iteration's events from a worker's ReportTokens stream, to their requests' relays."""
@@ -335,23 +335,6 @@ class Dispatcher:
             if placement.decode is not None and worker_id == placement.decode.info.worker_id:
                 placement.decode_reported = True
             state.relay.push(event)
-
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        """End the attempts the worker holds (their requests move on, or fail with UNAVAILABLE) and
-        stop routing to it. A request whose Reserve it had in flight is left alone: closing the
-        channel cuts the call, and the request tries the next decode worker."""
-        held = self.inflight.held_by(worker_id)
-        address = held[0].placement.holders[worker_id].info.address if held else None
-        ended = [state for state in held if state.placement.decode is not None or state.placement.colocated]
-        for state in held:
-            del state.placement.holders[worker_id]
-        moved = sum(self._attempt_lost(state, state.placement, failures.lost(state, worker_id, reason))
-                    for state in ended)
-        log.warning("worker %s lost (%s): %d request(s) moved to other workers, %d failed", worker_id, reason,
-                    moved, len(ended) - moved)
-        self._draining.discard(worker_id)
-        self.registry.forget(worker_id)
-        self._spawn(self._forget(worker_id, address))
 
     def _attempt_lost(self, state: RequestState, placement: Placement, error: TandemError) -> bool:
         """A worker of the request's attempt was lost: move the request to a continuation (True),
@@ -375,55 +358,6 @@ class Dispatcher:
         state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_FROM: old.generator_id or "",
                                               Attr.MIGRATION_OFFSET: delivered})
         return True
-
-    async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
-        """Renew a worker. False tells it to register again, upon which it drops every request it
-        holds: they fail here at once (the watcher may not have seen the lapse yet)."""
-        known = await self.registry.heartbeat(worker_id, load)
-        if not known and self.inflight.held_by(worker_id):
-            self.worker_lost(worker_id, "its heartbeat lapsed")
-        self.admission.grant()  # the worker may report freed blocks
-        self._update_gauges()
-        return known
-
-    def worker_registered(self) -> None:
-        """A worker joined: more requests may run, and its blocks are free."""
-        self.admission.grant()
-        self._update_gauges()
-
-    async def worker_deregistered(self, worker_id: str) -> None:
-        """A worker leaving gracefully: no new requests; the ones it holds may finish until its stream ends."""
-        self._draining.add(worker_id)
-        self.registry.forget(worker_id)
-        await self.registry.unregister(worker_id)
-
-    async def check_workers(self) -> None:
-        """Fail the requests of workers no longer live (heartbeat lapsed); admit waiters if capacity grew."""
-        live = {record.info.worker_id for record in await self.registry.live_workers()}
-        for worker_id in self.inflight.holders() - live - self._draining:
-            self.worker_lost(worker_id, "its heartbeat lapsed")
-        self.admission.grant()
-        self._update_gauges()
-
-    async def _watch(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.check_workers()
-            except Exception:
-                log.exception("checking the workers' heartbeats failed")
-
-    async def _forget(self, worker_id: str, address: str | None) -> None:
-        """Close the channel first: it cuts the calls still waiting on the worker at once."""
-        if address is not None:
-            await self.clients.forget(address)
-        await self.registry.unregister(worker_id)
-
-    def _capacity(self) -> int:
-        """Requests that may run at once: max_running per decode worker (colocated ones, when any)."""
-        roles = [record.info.role for record in self.registry.snapshot()]
-        generators = roles.count(WorkerRole.COLOCATED) or roles.count(WorkerRole.DECODE)
-        return self._max_running * max(1, generators)
 
     # -- stats ---------------------------------------------------------------------------------
 
@@ -458,6 +392,11 @@ class Dispatcher:
                 if reason is not None:
                     span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
                 timings.annotate(span)
+
+    def _let_in(self) -> None:
+        """Capacity or a worker's room may have grown: let waiting requests in."""
+        self.admission.grant()
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         self._metrics.num_requests_running.set(self.admission.running)

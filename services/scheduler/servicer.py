@@ -41,19 +41,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                              context) -> scheduler_pb2.RegisterWorkerResponse:
         info = info_from_pb(request.worker)
         await self._registry.register(info, load_from_pb(request.worker.load))
-        self._dispatcher.worker_registered()
+        self._dispatcher.membership.registered()
         ttl_ms = round(self._registry.ttl * 1000)
         return scheduler_pb2.RegisterWorkerResponse(
             heartbeat_ttl_ms=ttl_ms, heartbeat_interval_ms=max(1, ttl_ms // HEARTBEATS_PER_TTL),
             policy=scheduler_pb2.BatchPolicy(), scheduler_id=self._scheduler_id)
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
-        known = await self._dispatcher.heartbeat(request.worker_id, load_from_pb(request.load))
+        known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
         return scheduler_pb2.HeartbeatResponse(known=known)
 
     async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
                                context) -> scheduler_pb2.DeregisterWorkerResponse:
-        await self._dispatcher.worker_deregistered(request.worker_id)
+        await self._dispatcher.membership.deregistered(request.worker_id)
         return scheduler_pb2.DeregisterWorkerResponse()
 
     async def ReportBlocks(self, request: scheduler_pb2.ReportBlocksRequest,

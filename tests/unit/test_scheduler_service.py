@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.common.errors import Overloaded
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.health_cli import wait_until_serving
+from services.common.spans import Attr, Event
 from services.common.store import EmbeddedStore, Store
 from services.common.tracing import SpanName, setup_tracing
 from services.common.wire import DEFAULT_MAX_TOKENS
@@ -34,7 +35,6 @@ from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
-from tandem.spans import Attr, Event
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.redis_store import RedisStore
 from tests.flaky_store import FlakyStore
@@ -397,7 +397,7 @@ async def test_reserves_refused_on_a_stale_report_wait_for_the_next_report_in_or
         await eventually(lambda: decode.called("Reserve") and mesh.dispatcher.admission.waiting == 1, 'decode.called("Reserve") and mesh.dispatcher.admission.waiting == 1')
         second = mesh.submit("second")  # behind the first, which waits at the head
         await eventually(lambda: mesh.dispatcher.admission.waiting == 2, 'mesh.dispatcher.admission.waiting == 2')
-        await mesh.dispatcher.check_workers()  # a watcher tick changes nothing: d-0 counts as full
+        await mesh.dispatcher.membership.check()  # a watcher tick changes nothing: d-0 counts as full
         assert [r.request_id for r in decode.called("Reserve")] == ["first"]
 
         decode.refuse = False
@@ -638,7 +638,7 @@ async def test_a_reserve_cut_by_its_workers_loss_moves_on_to_the_next_decode_wor
     async with scheduler("p-0", "d-0", "d-1", ttl=30.0, **options) as mesh:
         call = mesh.submit("r1")
         await eventually(lambda: mesh.workers["d-0"].called("Reserve"), 'mesh.workers["d-0"].called("Reserve")')
-        mesh.dispatcher.worker_lost("d-0", "its heartbeat lapsed")  # closes its channel: the Reserve is cut
+        mesh.dispatcher.membership.lost("d-0", "its heartbeat lapsed")  # closes its channel: the Reserve is cut
         events = await rest(call)
         assert tokens_of(events) == [token(i) for i in range(4)]
         assert events[0].route.decode_worker_id == "d-1"
@@ -650,7 +650,7 @@ async def test_a_reserve_cut_with_no_other_decode_worker_is_unavailable() -> Non
     async with scheduler("p-0", "d-0", ttl=30.0, **{"d-0": dict(hold_reserve=True)}) as mesh:
         call = mesh.submit("r1")
         await eventually(lambda: mesh.workers["d-0"].called("Reserve"), 'mesh.workers["d-0"].called("Reserve")')
-        mesh.dispatcher.worker_lost("d-0", "its heartbeat lapsed")
+        mesh.dispatcher.membership.lost("d-0", "its heartbeat lapsed")
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await rest(call)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
