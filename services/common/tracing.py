@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.common.paths import run_dir as default_run_dir
-from tandem.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
+from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 __all__ = [
     "Attr", "Event", "SpanName", "TokenTimings", "JsonlSpanExporter", "setup_tracing",

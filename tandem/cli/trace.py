@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.paths import run_dir
-from tandem.spans import Attr, LoadedSpans, SpanRecord, load_span_files, spans_from_jaeger
+from services.common.spans import Attr, LoadedSpans, SpanRecord, load_span_files, spans_from_jaeger
 from tandem.cli.trace_view import (
     Gaps,
     build_tree,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tandem.spans import Attr, Event, SpanRecord, SpanStart
+from services.common.spans import Attr, Event, SpanRecord, SpanStart
 
 _HIDDEN_ATTRS = {Attr.REQUEST_ID}
 _MAX_VALUE_CHARS = 80

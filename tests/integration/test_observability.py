@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tandem.spans import Attr, Event, SpanName, SpanRecord, load_span_files
+from services.common.spans import Attr, Event, SpanName, SpanRecord, load_span_files
 from tandem.cli.trace_view import request_spans, trace_gaps
 from tandem.v1 import gateway_pb2
 from tests.mesh import Mesh, collect, greedy_request

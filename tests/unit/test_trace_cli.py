@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from services.common.spans import Attr, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 from services.common.tracing import extract_context, inject_metadata, setup_tracing
 from tandem.cli import main as cli
 from tandem.cli import trace
-from tandem.spans import Attr, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from services.common.spans import SpanRecord, load_span_files
 from services.common.tracing import (
     Attr,
     Event,
@@ -27,7 +28,6 @@ from services.common.tracing import (
     kv_transfer_attributes,
     setup_tracing,
 )
-from tandem.spans import SpanRecord, load_span_files
 from tandem.cli.trace_view import trace_gaps
 from tests.waiting import DEADLINE_S, wait_until
 

@@ -4,7 +4,7 @@
 span starts and its `SpanRecord` when it ends, so a reader can tell a span still open from one that
 never was. `Attr`, `SpanName` and `Event` are the span vocabulary
 (OpenTelemetry GenAI conventions where they exist, `tandem.*` for ours). Jaeger's query JSON is
-converted to the same records.
+converted to the same records. Plain Python (no OpenTelemetry, no torch), so `tandem trace` stays light.
 """
 
 from __future__ import annotations
