@@ -20,8 +20,10 @@ hint from the queue's drain rate (trailing `retry-after`, whole seconds, and `re
 when the queue is full; UNAVAILABLE when a worker holding the request is lost (its token stream
 ends, its heartbeat lapses, or a call to it is cut) and the request cannot move (migration off,
 presence or frequency penalties after its first token, no worker left), or no worker can serve
-it; DEADLINE_EXCEEDED;
-a worker's own status code otherwise; INTERNAL for anything unexpected.
+it; DEADLINE_EXCEEDED; a worker's own status code otherwise; INTERNAL for anything unexpected.
+
+A request's Status (inflight.py) moves forward as it goes: PENDING, PREFILLING once started on its
+workers, GENERATING at its first token, DECODING at its decode worker's first report, CLOSED.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.scheduler import failures, migration
 from services.scheduler.admission import Admission, TicketState
 from services.scheduler.deadline import Deadline
-from services.scheduler.inflight import InflightTable, Placement, RequestState
+from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
@@ -79,7 +81,7 @@ class Dispatcher:
         self.counters = Counters()
         self.streams = TokenStreams(self.on_token_batch, self.membership.lost)
         self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl,
-                                  on_lost=self._attempt_lost)
+                                  on_lost=self._attempt_lost, deliver=self._deliver)
         self._migration = migration
         self._metrics = metrics or ServiceMetrics("", "scheduler")
         self._tracer = tracer or trace.get_tracer("tandem.scheduler")
@@ -243,6 +245,7 @@ class Dispatcher:
                                  Attr.ROUTE_SCORES: plan.scores_json()})
         if state.relay.closed:
             return True
+        self.inflight.advance(state, Status.PREFILLING)
         if plan.colocated:
             await self._launcher.run(state)
         else:
@@ -294,17 +297,17 @@ class Dispatcher:
 
     def _close(self, state: RequestState) -> None:
         """Forget the request and settle what workers hold for it; runs once per request."""
-        if state.closed:
+        reservation_unused = state.status < Status.DECODING
+        if not self.inflight.close(state):
             return
-        state.closed = True
         state.relay.finish(common_pb2.FINISH_REASON_ABORT)  # nothing more is delivered
-        self.inflight.remove(state)
         if state.ticket is not None:
             self.admission.leave(state.ticket)
         outcome = _outcome(state)
         self.counters.outcomes[outcome] += 1
         if outcome is Outcome.COMPLETED:
-            self._launcher.release_unused(state)
+            if reservation_unused:
+                self._launcher.release(state)
         else:
             self._launcher.abort(state, state.placement, _abort_reason(state))
         reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
@@ -321,20 +324,26 @@ class Dispatcher:
         """One iteration's events from a worker's ReportTokens stream, to their requests' relays."""
         for event in batch.events:
             state = self.inflight.by_attempt(event.request_id)
-            if state is None:
-                continue  # ended already (aborted, failed, moved): late tokens are dropped
-            placement = state.placement
-            event.request_id = state.request_id
-            if not event.worker_id:
-                event.worker_id = worker_id
-            if event.finish_reason == _ERROR:
-                state.relay.fail(failures.from_event(state, event))
-                continue
-            if event.output_offset == 0:
-                placement.prefill_pending = False
-            if placement.decode is not None and worker_id == placement.decode.info.worker_id:
-                placement.decode_reported = True
-            state.relay.push(event)
+            if state is not None:  # else it ended already (aborted, failed, moved): late tokens are dropped
+                self._deliver(state, state.placement, worker_id, event)
+
+    def _deliver(self, state: RequestState, placement: Placement, worker_id: str,
+                 event: scheduler_pb2.TokenEvent) -> None:
+        """An event of the attempt `placement` from `worker_id`, to the request's relay if that
+        attempt is still current; the first token and the decode worker's first report advance it."""
+        if state.placement is not placement:
+            return
+        event.request_id = state.request_id
+        if not event.worker_id:
+            event.worker_id = worker_id
+        if event.finish_reason == _ERROR:
+            state.relay.fail(failures.from_event(state, event))
+            return
+        if event.output_offset == 0:
+            self.inflight.advance(state, Status.GENERATING)
+        if placement.decode is not None and worker_id == placement.decode.info.worker_id:
+            self.inflight.advance(state, Status.DECODING)
+        state.relay.push(event)
 
     def _attempt_lost(self, state: RequestState, placement: Placement, error: TandemError) -> bool:
         """A worker of the request's attempt was lost: move the request to a continuation (True),

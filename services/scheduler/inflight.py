@@ -1,8 +1,9 @@
 """The requests this scheduler holds, and the load their placements put on workers.
 
 A request enters the table when its Submit call arrives (it may wait in the queue first) and
-leaves when its Submit stream ends, whatever the outcome. Its progress (the relay, timings,
-outcome) lives on the RequestState; where it runs lives on its Placement, one per attempt: the
+leaves when its Submit stream ends, whatever the outcome. Its Status moves forward only, and only
+through this table (advance, move, close). Its progress (status, relay, timings, outcome) lives on
+the RequestState; where it runs lives on its Placement, one per attempt: the
 workers know an attempt by its own id (the request id, then one per migration), and only the
 current attempt's events reach the request. `holders` are the workers that may hold state for the
 attempt (a prefill worker until its Prefill call returns, the decode or colocated worker until the
@@ -15,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from opentelemetry import trace
 
@@ -23,6 +25,16 @@ from services.scheduler.admission import Ticket
 from services.scheduler.deadline import Deadline
 from services.scheduler.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2
+
+
+class Status(IntEnum):
+    """Where a request stands, in order. A migration starts the new attempt over at PENDING."""
+
+    PENDING = 0  # waiting in the queue, or being routed and reserved
+    PREFILLING = 1  # started on its workers; the attempt's first token has not come back
+    GENERATING = 2  # the first token came back; the decode worker has not reported (its reservation is unused)
+    DECODING = 3  # the decode worker reported: its reservation is in use
+    CLOSED = 4  # the Submit stream ended: nothing more is delivered or started
 
 
 @dataclass(slots=True)
@@ -34,10 +46,8 @@ class Placement:
     prefill: WorkerRecord | None = None  # the colocated worker in colocated mode
     decode: WorkerRecord | None = None
     uncached_tokens: int = 0  # prompt tokens the prefill worker computes (its queued load until the first token)
-    prefill_pending: bool = True  # no first token yet
     reserved_blocks: int = 0
     reserved_at: float = 0.0
-    decode_reported: bool = False  # the decode worker sent an event for it
     holders: dict[str, WorkerRecord] = field(default_factory=dict)
     prefill_task: asyncio.Task | None = None
     landing: asyncio.Future | None = None  # the last Reserve or Run call (it may be in flight)
@@ -66,6 +76,7 @@ class RequestState:
     span: trace.Span
     relay: Relay
     placement: Placement
+    status: Status = Status.PENDING  # written by InflightTable only
     seed: int = 0
     arrival: float = field(default_factory=time.monotonic)
     queued_s: float = 0.0
@@ -77,7 +88,6 @@ class RequestState:
     events_sent: int = 0
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: Exception | None = None
-    closed: bool = False
 
     @property
     def request_id(self) -> str:
@@ -117,17 +127,28 @@ class InflightTable:
         """The request whose current attempt the workers know by this id."""
         return self._attempts.get(attempt_id)
 
+    def advance(self, state: RequestState, status: Status) -> None:
+        """Move the request forward to `status` (never back; a closed request stays closed)."""
+        if state.status < status < Status.CLOSED:
+            state.status = status
+
     def move(self, state: RequestState, placement: Placement) -> Placement:
-        """Replace the request's placement; the old attempt's id leaves the table. Returns the old one."""
+        """Start a new attempt at PENDING on `placement`; the old attempt's id leaves the table. Returns the old one."""
         old = state.placement
         self._attempts.pop(old.attempt_id, None)
         state.placement = placement
+        state.status = Status.PENDING
         self._attempts[placement.attempt_id] = state
         return old
 
-    def remove(self, state: RequestState) -> None:
+    def close(self, state: RequestState) -> bool:
+        """CLOSED: the request leaves the table. False when it had already (close once)."""
+        if state.status is Status.CLOSED:
+            return False
+        state.status = Status.CLOSED
         self._states.pop(state.request_id, None)
         self._attempts.pop(state.placement.attempt_id, None)
+        return True
 
     def held_by(self, worker_id: str) -> list[RequestState]:
         return [s for s in self._states.values() if worker_id in s.placement.holders]
@@ -137,8 +158,9 @@ class InflightTable:
 
     def queued_prefill_tokens(self, worker_id: str) -> int:
         """Prompt tokens this scheduler sent the worker to compute that have not produced a first token."""
-        return sum(p.uncached_tokens for p in self._placements()
-                   if p.prefill_pending and p.prefill is not None and p.prefill.info.worker_id == worker_id)
+        return sum(s.placement.uncached_tokens for s in self._states.values()
+                   if s.status < Status.GENERATING and s.placement.prefill is not None
+                   and s.placement.prefill.info.worker_id == worker_id)
 
     def running(self, worker_id: str) -> int:
         """Requests generating (or about to) on the decode or colocated worker."""

@@ -43,19 +43,22 @@ _REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT
 
 Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task]
 OnLost = Callable[[RequestState, Placement, TandemError], None]
+Deliver = Callable[[RequestState, Placement, str, scheduler_pb2.TokenEvent], None]
 
 
 class Launcher:
     """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
     quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked
     full in `registry` until it reports again; `on_lost` ends an attempt whose Prefill found a
-    worker unreachable (the dispatcher moves the request on, or fails it)."""
+    worker unreachable (the dispatcher moves the request on, or fails it); `deliver` takes the
+    events a PrefillResponse backs up, as if its worker had reported them."""
 
     def __init__(self, clients: WorkerClients, spawn: Spawn, registry: WorkerRegistry,
-                 control_timeout: float, on_lost: OnLost) -> None:
+                 control_timeout: float, on_lost: OnLost, deliver: Deliver) -> None:
         self.clients = clients
         self._spawn = spawn
         self._on_lost = on_lost
+        self._deliver = deliver
         self._registry = registry
         self._control_timeout = control_timeout
 
@@ -114,11 +117,12 @@ class Launcher:
                                         cache_salt=placement.request.cache_salt)
         await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
 
-    def release_unused(self, state: RequestState) -> None:
-        """A request that ended at its first token never used its decode reservation: free it."""
+    def release(self, state: RequestState) -> None:
+        """Free the decode reservation of a request that ended before its decode worker reported
+        (at its first token): it was never used."""
         placement = state.placement
         decode = placement.decode
-        if decode is None or placement.decode_reported:
+        if decode is None:
             return
         request = worker_pb2.ReleaseRequest(request_id=placement.attempt_id)
         call = self.clients.decode(decode.info.address).Release(
@@ -162,12 +166,10 @@ class Launcher:
             state.relay.fail(failures.internal(state, exc))
             return
         placement.holders.pop(prefill.info.worker_id, None)
-        placement.prefill_pending = False
         state.timings.prefill_ms = response.timings.compute_ms
         state.timings.kv_transfer_ms = response.transfer.duration_ms
-        if state.placement is placement:
-            for event in prefill_events(state, response):
-                state.relay.push(event)
+        for event in prefill_events(state, response):
+            self._deliver(state, placement, prefill.info.worker_id, event)
 
     def _failed(self, state: RequestState, placement: Placement, error: TandemError) -> None:
         """A Prefill that failed: a worker that stopped answering ends the attempt, anything else the request."""

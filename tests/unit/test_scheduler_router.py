@@ -9,7 +9,7 @@ from opentelemetry import trace
 from services.common.block_hash import hash_chain
 from services.common.store import EmbeddedStore, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.deadline import Deadline
-from services.scheduler.inflight import InflightTable, Placement, RequestState
+from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.planner import plan_route
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.relay import Relay
@@ -119,7 +119,7 @@ async def test_in_flight_requests_count_as_queued_prefill_and_reserved_blocks() 
     # d-a reported 100 free but 3 were reserved since: 97 < 98.
     assert plan.decode == [Score("d-b", -98.0, free_blocks=98), Score("d-a", -97.0, free_blocks=97, running=1)]
 
-    placement.prefill_pending = False  # its first token arrived
+    inflight.advance(busy, Status.GENERATING)  # its first token arrived
     placement.reserved_at = registry.last_seen("d-a") - 1.0  # and d-a reported after the reservation
     plan = await plan_route(registry, inflight, submit([5] * 20))
     assert plan.prefill == [Score("p-0", 20.0)]
