@@ -553,6 +553,20 @@ async def test_a_lost_decode_workers_request_moves_on_with_no_token_lost_or_repe
             {Attr.MIGRATION_FROM: "d-0", Attr.MIGRATION_OFFSET: 2}]
 
 
+async def test_a_lost_colocated_workers_request_moves_on_to_another_colocated_worker() -> None:
+    async with scheduler("c-0", "c-1", ttl=3600.0, **{"c-0": dict(hold=True)}) as mesh:
+        call = mesh.submit("r1", max_tokens=4)
+        first = await call.read()
+        await mesh.workers["c-0"].kill()
+        events = [first, *await asyncio.wait_for(rest(call), DEADLINE_S)]
+        assert tokens_of(events) == [token(i) for i in range(4)]
+        assert [e.output_offset for e in events] == [0, 1, 2, 3]
+        (moved,) = mesh.workers["c-1"].called("Run")
+        assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)) + [token(0)])
+        assert moved.sampling.max_tokens == 3
+        assert (await mesh.idle()).migrated == 1
+
+
 async def test_a_moved_request_keeps_its_min_tokens_and_its_default_max_tokens_apart() -> None:
     async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **{"d-0": dict(hold=True, free_blocks=100)}) as mesh:
         request = scheduler_pb2.SubmitRequest(request_id="r1", model=MODEL, token_ids=list(range(200, 210)),
