@@ -359,7 +359,7 @@ class Dispatcher:
             state.relay.fail(error)
             return False
         state.migrations += 1
-        attempt_id = migration.attempt_id(state.request_id, state.migrations)
+        attempt_id = migration.attempt_id(state.request_id, state.migrations, self.inflight)
         moved = migration.continuation(state.request, state.relay.tokens, attempt_id)
         old = self.inflight.move(state, Placement(moved))
         self._launcher.abort(state, old, "the request moved to another worker")

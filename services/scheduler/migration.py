@@ -12,7 +12,7 @@ while nothing was delivered (then the continuation is the request itself).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from services.common.wire import DEFAULT_MAX_TOKENS
 from tandem.v1 import common_pb2, scheduler_pb2
@@ -45,9 +45,12 @@ def continuation(request: scheduler_pb2.SubmitRequest, delivered: Sequence[int],
     return moved
 
 
-def attempt_id(request_id: str, attempt: int) -> str:
-    """The id the workers know the request's `attempt`-th placement by (the first: the request id)."""
-    return request_id if attempt == 0 else f"{request_id}#migrated-{attempt}"
+def attempt_id(request_id: str, migration: int, taken: Container[str]) -> str:
+    """The id the workers know the request by after its `migration`-th move (the first attempt has
+    the request id): `REQUEST_ID#migrated-N`, N counting up past the ids `taken` (in flight)."""
+    while (candidate := f"{request_id}#migrated-{migration}") in taken:
+        migration += 1
+    return candidate
 
 
 def restate_usage(usage: common_pb2.Usage, prompt_tokens: int, completion_tokens: int) -> None:

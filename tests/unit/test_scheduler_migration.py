@@ -26,7 +26,7 @@ def event(offset: int, *tokens: int, finish: int = common_pb2.FINISH_REASON_UNSP
 
 def test_a_continuation_appends_the_delivered_tokens_and_takes_them_off_the_limits() -> None:
     original = submit(max_tokens=10, min_tokens=4, temperature=0.7, repetition_penalty=1.2)
-    moved = continuation(original, [100, 101, 102], attempt_id("r1", 1))
+    moved = continuation(original, [100, 101, 102], attempt_id("r1", 1, taken=()))
     assert moved.request_id == "r1#migrated-1"
     assert list(moved.token_ids) == [5, 6, 7, 100, 101, 102]
     assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (7, 1)
@@ -39,7 +39,11 @@ def test_min_tokens_never_goes_below_zero_and_an_unset_max_tokens_is_the_default
     moved = continuation(submit(min_tokens=2), [100, 101, 102], "r1#migrated-2")
     assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (DEFAULT_MAX_TOKENS - 3, 0)
     assert continuation(submit(max_tokens=5), [], "r1#migrated-1").sampling.max_tokens == 5
-    assert attempt_id("r1", 0) == "r1"
+
+
+def test_an_attempt_id_skips_the_ids_in_flight() -> None:
+    assert attempt_id("r1", 2, taken={"r1", "r1#migrated-1"}) == "r1#migrated-2"
+    assert attempt_id("r1", 1, taken={"r1#migrated-1", "r1#migrated-2"}) == "r1#migrated-3"
 
 
 def test_penalties_on_output_tokens_keep_a_request_from_moving_once_it_has_tokens() -> None:
