@@ -50,6 +50,7 @@ from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
+from services.scheduler.outgoing import outgoing
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.relay import Interrupted, Relay
@@ -105,6 +106,10 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def stats(self, recent_routes: int) -> scheduler_pb2.SchedulerStats:
+        records = await self.registry.live_workers()
+        return snapshot(self.counters, self.admission, self.registry, records, recent_routes)
+
     # -- a request -----------------------------------------------------------------------------
 
     async def submit(self, request: scheduler_pb2.SubmitRequest,
@@ -122,7 +127,7 @@ class Dispatcher:
                         async for event in state.relay.events(state.deadline.remaining):
                             if event.token_ids:
                                 timings.record(len(event.token_ids))
-                            yield self._outgoing(state, event)
+                            yield outgoing(state, event, time.monotonic())
                         break
                     except Interrupted as interruption:
                         await self._resume(state, interruption)
@@ -263,38 +268,6 @@ class Dispatcher:
         if plan.colocated:
             placement.holders[best.worker_id] = worker
 
-    def _outgoing(self, state: RequestState, event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
-        """A worker event as the gateway gets it: the route on the first, the scheduler's timings."""
-        now = time.monotonic()
-        first, final = state.events_sent == 0, event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        if first and state.route is not None:
-            event.route.CopyFrom(state.route)
-        if event.token_ids and state.first_token_at is None:
-            state.first_token_at = now
-        if first or final:
-            self._stamp(state, event.timings, now, final)
-        if final:
-            state.finish_reason = event.finish_reason
-            if state.relay.base:
-                migration.restate_usage(event.usage, state.prompt_tokens, event.output_offset + len(event.token_ids))
-        event.ClearField("error")
-        state.events_sent += 1
-        return event
-
-    @staticmethod
-    def _stamp(state: RequestState, timings: common_pb2.RequestTimings, now: float, final: bool) -> None:
-        """The scheduler's view of the request's timings, over what the worker measured."""
-        timings.queue_ms = state.queued_s * 1000
-        if state.first_token_at is not None:
-            timings.time_to_first_token_ms = (state.first_token_at - state.arrival) * 1000
-        if not final:
-            return
-        timings.prefill_ms = timings.prefill_ms or state.timings.prefill_ms
-        timings.kv_transfer_ms = timings.kv_transfer_ms or state.timings.kv_transfer_ms
-        if state.first_token_at is not None and not timings.decode_ms:
-            timings.decode_ms = (now - state.first_token_at) * 1000
-        timings.total_ms = (now - state.arrival) * 1000
-
     def _close(self, state: RequestState) -> None:
         """Forget the request and settle what workers hold for it; runs once per request."""
         reservation_unused = state.status < Status.DECODING
@@ -367,12 +340,6 @@ class Dispatcher:
         state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_FROM: old.generator_id or "",
                                               Attr.MIGRATION_OFFSET: delivered})
         return True
-
-    # -- stats ---------------------------------------------------------------------------------
-
-    async def stats(self, recent_routes: int) -> scheduler_pb2.SchedulerStats:
-        records = await self.registry.live_workers()
-        return snapshot(self.counters, self.admission, self.registry, records, recent_routes)
 
     # -- helpers -------------------------------------------------------------------------------
 
