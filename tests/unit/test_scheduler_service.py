@@ -287,6 +287,18 @@ def tokens_of(events) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
+async def fails_when_killed_after_two_tokens(call, request_id: str, victim: FakeWorker) -> None:
+    """Reads two events, kills `victim`, and checks the stream ends at once with UNAVAILABLE."""
+    await call.read()
+    await call.read()
+    await victim.kill()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await asyncio.wait_for(rest(call), DEADLINE_S)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.details() == (f"request {request_id}: a worker serving it was lost after 2 token(s); "
+                                     "retry the request")
+
+
 # -- the flows -----------------------------------------------------------------------------------------
 
 async def test_disaggregated_request_reserves_first_then_prefills_and_relays_in_order() -> None:
@@ -508,15 +520,8 @@ async def test_an_unexpected_exception_is_internal_with_a_stable_message(monkeyp
 async def test_a_broken_token_stream_without_migration_fails_the_workers_requests_at_once_and_drops_it() -> None:
     options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
     async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, migration=False, **options) as mesh:
-        call = mesh.submit("doomed")
-        await call.read()
-        await call.read()
         victim = mesh.workers["d-0"]
-        await victim.kill()
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await asyncio.wait_for(rest(call), DEADLINE_S)  # at once: the workers' TTL is an hour
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error.value.details() == "request doomed: a worker serving it was lost after 2 token(s); retry the request"
+        await fails_when_killed_after_two_tokens(mesh.submit("doomed"), "doomed", victim)  # the TTL is an hour
 
         stats = await mesh.idle()
         assert [w.info.worker_id for w in stats.workers] == ["d-1", "p-0"] and stats.failed == 1
@@ -588,13 +593,7 @@ async def test_a_request_with_a_presence_penalty_fails_instead_of_moving_once_it
             request_id="r1", model=MODEL, token_ids=list(range(200, 220)),
             sampling=common_pb2.SamplingParams(max_tokens=4, presence_penalty=0.5))
         call = mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
-        await call.read()
-        await call.read()
-        await mesh.workers["d-0"].kill()
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await asyncio.wait_for(rest(call), DEADLINE_S)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
+        await fails_when_killed_after_two_tokens(call, "r1", mesh.workers["d-0"])
         stats = await mesh.idle()
         assert (stats.failed, stats.migrated) == (1, 0)
         assert mesh.workers["d-1"].calls == []
@@ -602,14 +601,7 @@ async def test_a_request_with_a_presence_penalty_fails_instead_of_moving_once_it
 
 async def test_a_request_whose_decode_worker_is_lost_with_no_other_left_is_unavailable() -> None:
     async with scheduler("p-0", "d-0", ttl=3600.0, **{"d-0": dict(hold=True)}) as mesh:
-        call = mesh.submit("r1")
-        await call.read()
-        await call.read()
-        await mesh.workers["d-0"].kill()
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await asyncio.wait_for(rest(call), DEADLINE_S)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
+        await fails_when_killed_after_two_tokens(mesh.submit("r1"), "r1", mesh.workers["d-0"])
         stats = await mesh.idle()
         assert (stats.failed, stats.migrated) == (1, 0)
 
