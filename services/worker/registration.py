@@ -50,16 +50,21 @@ class Registration:
         return self.info.worker_id
 
     async def register(self) -> scheduler_pb2.RegisterWorkerResponse:
-        """Registers, retrying with backoff until the scheduler answers (a worker may start first)."""
+        """Registers, retrying with backoff until the scheduler takes it (a worker may start first, or its
+        id may still be held by its previous registration until that lapses)."""
         delay = _RETRY_START_S
         while True:
             try:
                 return await self._register_once()
             except grpc.aio.AioRpcError as error:
-                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                                    grpc.StatusCode.UNAUTHENTICATED):
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED):
                     raise
-                log.info("scheduler not reachable yet (%s); retrying in %.1f s", error.code().name, delay)
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Our id is still held by a registration with other info (this worker before a
+                    # restart on a new address, say): it frees once that one's heartbeats lapse.
+                    log.warning("scheduler refused the registration (%s); retrying in %.1f s", error.details(), delay)
+                else:
+                    log.info("scheduler not reachable yet (%s); retrying in %.1f s", error.code().name, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+import pytest
 
 from services.common.grpc_server import create_server
 from services.common.store import EmbeddedStore
@@ -108,3 +109,27 @@ async def test_a_worker_rejoins_a_restarted_scheduler_and_reopens_its_token_stre
         await channel.close()
         if second is not None:
             await second.stop()
+
+
+async def test_a_worker_whose_id_is_held_by_other_info_registers_once_that_registration_lapses():
+    port = free_port()
+    scheduler = await Scheduler.start(port, "only")
+    channel = open_channel(f"127.0.0.1:{port}")
+    metadata = internal_metadata(TOKEN)
+    moved = scheduler_pb2.WorkerInfo()
+    moved.CopyFrom(WORKER)
+    moved.address = "127.0.0.1:2"  # the same worker id, restarted on another address
+    try:
+        first = Registration(channel, WORKER, lambda: scheduler_pb2.WorkerLoad(free_blocks=64), metadata)
+        await first.register()  # never heartbeats: its registration lapses after the TTL
+        with_new_address = Registration(channel, moved, lambda: scheduler_pb2.WorkerLoad(free_blocks=64), metadata)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await with_new_address._register_once()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        assert (await with_new_address.register()).scheduler_id == "only"  # retried until the id was free
+        records = await scheduler.dispatcher.registry.live_workers()
+        assert [(r.info.worker_id, r.info.address) for r in records] == [("decode-w", "127.0.0.1:2")]
+    finally:
+        await channel.close()
+        await scheduler.stop()
