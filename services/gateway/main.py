@@ -50,7 +50,7 @@ class GatewayConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, "--host", default="0.0.0.0", help="address to listen on")
+    add_option(parser, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add_option(parser, "--port", type=int, default=50051, help="gRPC port")
     add_option(parser, "--http-port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
     add_option(parser, "--scheduler", type=parse_address, default="127.0.0.1:50052",

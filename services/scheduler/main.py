@@ -40,7 +40,7 @@ class SchedulerConfig:
     (`x-tandem-internal-token`; None: open, only under --insecure-internal). migration: a request whose
     generating worker is lost goes on on another one (services/scheduler/migration.py)."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50052
     redis_url: str | None = None
     max_queue: int = 256
@@ -62,7 +62,7 @@ class SchedulerConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, "--host", default="0.0.0.0", help="address to listen on")
+    add_option(parser, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add_option(parser, "--port", type=int, default=50052, help="gRPC port")
     add_option(parser, "--redis-url", default=None,
                help="Redis URL of the shared store, e.g. redis://127.0.0.1:6379/0 (unset: embedded store)")

@@ -45,7 +45,7 @@ _UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
 class WorkerConfig:
     """A worker's settings, from flags and TANDEM_* variables."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 0
     advertise: str | None = None
     scheduler: str | None = DEFAULT_SCHEDULER  # None: standalone (no registration, no token stream)
@@ -101,7 +101,7 @@ class RoleSpec:
 
 
 def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
-    add_option(parser, "--host", default="0.0.0.0", help="interface to listen on")
+    add_option(parser, "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     add_option(parser, "--port", type=int, default=spec.port, help="gRPC port (0: any free port)")
     add_option(parser, "--advertise", type=parse_address, metavar="HOST:PORT",
                help="address the scheduler and other workers reach this worker at; none: host:port, "
