@@ -20,7 +20,7 @@ from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
-from tandem.v1 import scheduler_pb2_grpc
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -38,7 +38,8 @@ class SchedulerConfig:
     Prometheus endpoint on `host` (0: off). heartbeat_ttl: seconds a worker stays live after its last
     heartbeat. internal_token: the secret internal callers present and this scheduler sends to workers
     (`x-tandem-internal-token`; None: open, only under --insecure-internal). migration: a request whose
-    generating worker is lost goes on on another one (services/scheduler/migration.py)."""
+    generating worker is lost goes on on another one (services/scheduler/migration.py). batch_*: the
+    batching policy every worker applies from its registration on (0: the worker keeps its own flag)."""
 
     host: str = "127.0.0.1"
     port: int = 50052
@@ -49,8 +50,15 @@ class SchedulerConfig:
     heartbeat_ttl: float = 5.0
     internal_token: str | None = None
     migration: bool = True
+    batch_max_tokens: int = 0
+    batch_max_seqs: int = 0
+    batch_chunk_size: int = 0
 
     def __post_init__(self) -> None:
+        for flag, value in (("--batch-max-tokens", self.batch_max_tokens), ("--batch-max-seqs", self.batch_max_seqs),
+                            ("--batch-chunk-size", self.batch_chunk_size)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0 (0 keeps each worker's own setting), got {value}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_running < 1:
@@ -79,7 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "on another worker and go on streaming (--no-migration: fail it with UNAVAILABLE). A request with a "
              "presence or frequency penalty fails once it has a token, since those count output tokens only "
              f"(env {_MIGRATION_ENV}; default true)")
+    add_option(parser, "--batch-max-tokens", type=int, default=0,
+               help="token budget of one worker iteration, for every worker (0: each keeps its --max-batched-tokens)")
+    add_option(parser, "--batch-max-seqs", type=int, default=0,
+               help="most sequences in one worker iteration, for every worker (0: each keeps its own)")
+    add_option(parser, "--batch-chunk-size", type=int, default=0,
+               help="largest prompt chunk in one worker iteration, for every worker (0: each keeps its --chunk-size)")
     internal_auth.add_arguments(parser)
+
+
+def batch_policy(config: SchedulerConfig) -> scheduler_pb2.BatchPolicy:
+    """The policy workers receive when they register (zero fields keep their own flags)."""
+    return scheduler_pb2.BatchPolicy(max_num_batched_tokens=config.batch_max_tokens,
+                                     max_num_seqs=config.batch_max_seqs, chunk_size=config.batch_chunk_size)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -108,7 +128,7 @@ async def serve(config: SchedulerConfig) -> None:
                             max_running=config.max_running, migration=config.migration, metrics=metrics)
     server = create_server(config.host, config.port, internal_token=config.internal_token)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6)))
+                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6), policy=batch_policy(config)))
     try:
         await server.start()
         dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))

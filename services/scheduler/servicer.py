@@ -18,8 +18,10 @@ HEARTBEATS_PER_TTL = 3
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, dispatcher: Dispatcher, scheduler_id: str) -> None:
+    def __init__(self, dispatcher: Dispatcher, scheduler_id: str,
+                 policy: scheduler_pb2.BatchPolicy | None = None) -> None:
         self._dispatcher = dispatcher
+        self._policy = policy or scheduler_pb2.BatchPolicy()
         self._registry = dispatcher.registry
         self._scheduler_id = scheduler_id
 
@@ -45,7 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         ttl_ms = round(self._registry.ttl * 1000)
         return scheduler_pb2.RegisterWorkerResponse(
             heartbeat_ttl_ms=ttl_ms, heartbeat_interval_ms=max(1, ttl_ms // HEARTBEATS_PER_TTL),
-            policy=scheduler_pb2.BatchPolicy(), scheduler_id=self._scheduler_id)
+            policy=self._policy, scheduler_id=self._scheduler_id)
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))

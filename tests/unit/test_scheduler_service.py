@@ -33,6 +33,7 @@ from services.common.wire import DEFAULT_MAX_TOKENS
 from services.scheduler import dispatcher as dispatcher_module
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
+from services.scheduler.main import SchedulerConfig, batch_policy
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -249,7 +250,7 @@ class Mesh:
 @asynccontextmanager
 async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
                     store: Store | None = None, spans: InMemorySpanExporter | None = None, migration: bool = True,
-                    **options) -> AsyncIterator[Mesh]:
+                    policy: scheduler_pb2.BatchPolicy | None = None, **options) -> AsyncIterator[Mesh]:
     """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
     `spans` when given."""
     registry = WorkerRegistry(store or EmbeddedStore(), ttl)
@@ -258,7 +259,7 @@ async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_run
                             migration=migration, tracer=tracer)
     server = create_server("127.0.0.1", 0, internal_token=TOKEN)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-                       SchedulerServicer(dispatcher, scheduler_id="test"))
+                       SchedulerServicer(dispatcher, scheduler_id="test", policy=policy))
     await server.start()
     dispatcher.start(ttl / 5)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -348,6 +349,21 @@ async def test_colocated_workers_run_the_whole_request_with_a_drawn_or_given_see
         assert drawn.seed > 0 and drawn.sampling.seed == drawn.seed
         assert given.seed == given.sampling.seed == 42
         assert mesh.workers["p-0"].calls == [] and mesh.workers["d-0"].calls == []
+
+
+async def test_a_registering_worker_receives_the_configured_batch_policy() -> None:
+    policy = batch_policy(SchedulerConfig(batch_max_tokens=1024, batch_chunk_size=128))
+    async with scheduler(policy=policy) as mesh:
+        info = scheduler_pb2.WorkerInfo(worker_id="p-9", role=ROLES["p"], address="127.0.0.1:9", model=MODEL,
+                                        num_blocks=8, block_size=16)
+        response = await mesh.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info),
+                                                  metadata=CLIENT_METADATA)
+    assert response.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=1024, max_num_seqs=0, chunk_size=128)
+
+
+def test_a_negative_batch_setting_is_refused_naming_its_flag() -> None:
+    with pytest.raises(ValueError, match=r"^--batch-max-seqs must be >= 0 \(0 keeps each worker's own setting\), got -1$"):
+        SchedulerConfig(batch_max_seqs=-1)
 
 
 async def test_no_worker_for_the_model_is_unavailable() -> None:
