@@ -17,7 +17,7 @@ from collections.abc import Callable
 from services.common.errors import TandemError
 from services.common.store import WorkerLoad, WorkerRole
 from services.scheduler import failures
-from services.scheduler.inflight import InflightTable, Placement, RequestState
+from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Spawn
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.worker_clients import WorkerClients
@@ -68,12 +68,12 @@ class Membership:
         await self.registry.unregister(worker_id)
 
     def lost(self, worker_id: str, reason: str) -> None:
-        """End the attempts the worker holds and stop routing to it. A request whose Reserve it had
-        in flight is left alone: closing the channel cuts the call, and the request tries the next
-        decode worker."""
+        """End the attempts the worker runs and stop routing to it. A request that only may hold a
+        reservation there (a Reserve in flight or cut) is left alone: closing the channel cuts the
+        call, and the request tries the next decode worker."""
         held = self._inflight.held_by(worker_id)
         address = held[0].placement.holders[worker_id].info.address if held else None
-        ended = [state for state in held if state.placement.decode is not None or state.placement.colocated]
+        ended = [state for state in held if _runs_on(state, worker_id)]
         for state in held:
             del state.placement.holders[worker_id]
         moved = sum(self._end_attempt(state, state.placement, failures.lost(state, worker_id, reason))
@@ -105,3 +105,13 @@ class Membership:
         if address is not None:
             await self._clients.forget(address)
         await self.registry.unregister(worker_id)
+
+
+def _runs_on(state: RequestState, worker_id: str) -> bool:
+    """Whether the worker is the request's decode worker (its reservation taken), or its prefill or
+    colocated worker once the request was started there."""
+    placement = state.placement
+    if placement.decode is not None and placement.decode.info.worker_id == worker_id:
+        return True
+    started = state.status >= Status.PREFILLING
+    return started and placement.prefill is not None and placement.prefill.info.worker_id == worker_id
