@@ -5,7 +5,9 @@ First it measures capacity (completed requests per second with a closed loop of 
 then offers Poisson arrivals at `--load` of it for `--duration` seconds and SIGKILLs one worker every
 `--kill-every` seconds (the launcher restarts it). It reports the success rate, TTFT p50/p99 per
 window and the p99 drift between the first and last window, the RSS growth of every service that
-was not killed (per hour), the scheduler's migrations, and the Redis keys left once the mesh is idle.
+was not killed (over the whole run, and per hour over the second half, once the KV pool is warm),
+the scheduler's migrations, and the Redis keys left once the mesh is idle (those that are neither
+worker registry nor prefix index are request state, and should be none).
 Bounded: at most duration x rate requests, each with its own deadline.
 Run: `.venv/bin/python bench/soak.py [--duration 600] [--kill-every 180] [--load 0.7] [--json]`.
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -33,6 +36,7 @@ import grpc  # noqa: E402
 from tests.mesh import Mesh, greedy_request  # noqa: E402
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
+INDEX_KEY = re.compile(r"^tandem:(workers|worker:.+|blocks:.+|block:.+)$")  # registry and prefix index
 
 
 @dataclass(slots=True)
@@ -54,9 +58,11 @@ class Report:
     ttft_p99_ms_by_window: list[float]
     ttft_p99_drift: float  # last window's p99 over the first window's
     kills: list[str]
-    rss_growth_mib_per_hour: dict[str, float]
+    rss_growth_mib: dict[str, float]  # start to end, KV pool first touch included
+    rss_growth_mib_per_hour_second_half: dict[str, float]  # the drift once the KV pool is warm
     migrations: int | None
     redis_keys_left: int | None
+    redis_request_keys_left: int | None  # keys other than the worker registry and prefix index
     restarts_logged: int = 0
 
 
@@ -154,16 +160,33 @@ def scheduler_migrations(mesh: Mesh) -> int | None:
     return stats.migrated if hasattr(stats, "migrated") else None
 
 
-def redis_keys(mesh: Mesh) -> int | None:
+def redis_keys(mesh: Mesh) -> tuple[int | None, int | None]:
+    """All keys left in the mesh's Redis, and those that are neither worker registry nor prefix index."""
     try:
         endpoint = mesh.endpoint("redis", "redis")
     except KeyError:
-        return None
+        return None, None
     import redis
 
     url = endpoint.address if "://" in endpoint.address else f"redis://{endpoint.address}"
     client = redis.Redis.from_url(url, password=mesh.internal_token)  # tandem up makes the token its password
-    return client.dbsize()
+    keys = [key.decode() for key in client.keys("*")]
+    return len(keys), sum(not INDEX_KEY.match(key) for key in keys)
+
+
+def rss_of(pids: dict[int, str]) -> dict[int, float | None]:
+    return {pid: rss_mib(pid) for pid in pids}
+
+
+def growth(pids: dict[int, str], before: dict[int, float | None], after: dict[int, float | None],
+           per_seconds: float | None = None) -> dict[str, float]:
+    """MiB each service grew from `before` to `after` (per hour when `per_seconds` is given)."""
+    grown = {}
+    for pid, role in pids.items():
+        if before.get(pid) is not None and after.get(pid) is not None:
+            mib = after[pid] - before[pid]
+            grown[f"{role}[{pid}]"] = round(mib / per_seconds * 3600 if per_seconds else mib, 1)
+    return grown
 
 
 def soak(mesh: Mesh, args: argparse.Namespace) -> Report:
@@ -172,7 +195,9 @@ def soak(mesh: Mesh, args: argparse.Namespace) -> Report:
     stub = mesh.gateway()
     rng = random.Random(args.seed)
     initial = descendants(mesh.process.pid)
-    rss_start = {pid: rss_mib(pid) for pid in initial}
+    rss_start = rss_of(initial)
+    rss_mid: dict[int, float | None] = {}
+    mid_at = 0.0
     killed: set[int] = set()
     kills: list[str] = []
     results: list[Outcome] = []
@@ -193,19 +218,19 @@ def soak(mesh: Mesh, args: argparse.Namespace) -> Report:
             now = time.monotonic()
             if arrival > now:
                 time.sleep(arrival - now)
+            if not rss_mid and time.monotonic() >= t0 + args.duration / 2:
+                rss_mid, mid_at = rss_of(initial), time.monotonic()
             if time.monotonic() >= next_kill:
                 kills.append(kill_one_worker(mesh, rng, killed))
                 next_kill += args.kill_every
             pool.submit(record, i, t0)
             i += 1
     duration = time.monotonic() - t0
+    wait_all_answer(mesh, timeout=args.request_timeout * 3)  # a worker killed near the end is restarting
     mesh.wait_idle(timeout=args.request_timeout)
     survivors = {pid: role for pid, role in initial.items() if pid not in killed}
-    growth = {}
-    for pid, role in survivors.items():
-        end, start = rss_mib(pid), rss_start.get(pid)
-        if end is not None and start is not None:
-            growth[f"{role}[{pid}]"] = round((end - start) / duration * 3600, 1)
+    rss_end, end_at = rss_of(survivors), time.monotonic()
+    keys_left, request_keys_left = redis_keys(mesh)
     buckets = windows(results, duration, args.windows)
     p99 = [round(percentile(b, 0.99), 1) for b in buckets]
     ok = sum(o.code == "OK" for o in results)
@@ -215,9 +240,24 @@ def soak(mesh: Mesh, args: argparse.Namespace) -> Report:
         failures=dict(Counter(o.code for o in results if o.code != "OK")),
         ttft_p50_ms_by_window=[round(percentile(b, 0.5), 1) for b in buckets], ttft_p99_ms_by_window=p99,
         ttft_p99_drift=round(p99[-1] / p99[0], 3) if p99[0] and p99[0] == p99[0] else float("nan"),
-        kills=kills, rss_growth_mib_per_hour=growth, migrations=scheduler_migrations(mesh),
-        redis_keys_left=redis_keys(mesh), restarts_logged=sum("restart" in line for line in mesh.log),
+        kills=kills, rss_growth_mib=growth(survivors, rss_start, rss_end),
+        rss_growth_mib_per_hour_second_half=growth(survivors, rss_mid, rss_end, end_at - mid_at),
+        migrations=scheduler_migrations(mesh), redis_keys_left=keys_left, redis_request_keys_left=request_keys_left,
+        restarts_logged=sum("restart" in line for line in mesh.log),
     )
+
+
+def wait_all_answer(mesh: Mesh, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for name in mesh.names("prefill") + mesh.names("decode") + mesh.names("colocated"):
+        while True:
+            try:
+                mesh.worker_stats(name)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{name} did not come back within {timeout:.0f} s of the last kill")
+                time.sleep(0.2)
 
 
 def kill_one_worker(mesh: Mesh, rng: random.Random, killed: set[int]) -> str:
@@ -255,8 +295,8 @@ def main() -> None:
         print(json.dumps(asdict(report), indent=2))
         return
     for name, value in asdict(report).items():
-        print(f"{name:>26}: {value}")
-    print(f"{'CPU':>26}: {cpu_model()} ({os.cpu_count()} cores)")
+        print(f"{name:>36}: {value}")
+    print(f"{'CPU':>36}: {cpu_model()} ({os.cpu_count()} cores)")
 
 
 def cpu_model() -> str:
