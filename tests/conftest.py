@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,10 @@ if TYPE_CHECKING:
     from tests.hf_reference import Reference
 
 pytest_plugins = ["tests.redis_fixture"]
+
+# The suite starts services while it talks gRPC: keep gRPC's fork handlers off, as the tandem
+# command does (tandem/cli/main.py says why).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,6 +34,9 @@ COMMANDS: dict[str, Command] = {
     "trace": Command("tandem.cli.trace", "show a request's end-to-end trace"),
     "deploy": Command("tandem.cli.deploy", "write a docker compose deployment for N prefill and M decode workers"),
 }
+
+
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
 
 
 class CommandUnavailable(RuntimeError):
@@ -73,6 +77,11 @@ def load_command(name: str) -> ModuleType:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's fork handlers restart its poller thread inside a forked child, where subprocess has
+    # already closed the epoll fd, and the child can abort before exec (grpc/grpc#43055): `tandem up`
+    # forks its services while it polls their health over gRPC. No tandem process uses gRPC in a
+    # forked child, so the handlers are turned off before gRPC starts (children inherit it).
+    os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")
     argv = sys.argv[1:] if argv is None else argv
     parser, parsers = build_parser()
     name = next((arg for arg in argv if not arg.startswith("-")), None)

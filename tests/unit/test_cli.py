@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,13 @@ def test_stream_view_shows_prompts_in_order(default_model_dir):
     first.finish("stop")
     view.update()
     assert out.getvalue() == "\n=== prompt 1: A?\n first\n\n=== prompt 2: B?\n second 日本\n[finished: length]\n"
+
+
+
+def test_every_command_runs_with_grpcs_fork_handlers_off(monkeypatch, capsys):
+    """`tandem up` forks services while it polls them over gRPC, and gRPC's fork handlers could abort
+    a child before exec (status -6, 'epoll_wait error: Bad file descriptor' in its log)."""
+    monkeypatch.delenv(cli.GRPC_FORK_SUPPORT_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert os.environ[cli.GRPC_FORK_SUPPORT_ENV] == "false"
