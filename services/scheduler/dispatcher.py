@@ -198,8 +198,8 @@ class Dispatcher:
             await self._start_in_turn(state)
         except Unavailable:
             raise interruption.error from None
-        if state.relay.closed:
-            return  # aborted meanwhile
+        if not state.placement.launched:
+            return  # aborted before the continuation started (one that started may finish at once)
         self.counters.migrated += 1
         self._metrics.num_migrations.inc()
         self._update_gauges()
@@ -251,6 +251,7 @@ class Dispatcher:
         if state.relay.closed:
             return True
         self.inflight.advance(state, Status.PREFILLING)
+        state.placement.launched = True
         if plan.colocated:
             await self._launcher.run(state)
         else:
