@@ -23,6 +23,7 @@ import pytest
 
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.mesh import Endpoint, Mesh, collect, greedy_request
+from tests.e2e.api import prompt_of
 from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "faults-key"
@@ -36,11 +37,7 @@ MAX_TOKENS = 6
 BLOCK = 16
 
 
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i * 131) % 40000 + 200 for i in range(length)]
-
-
-PROMPT = prompt_of(24)
+PROMPT = prompt_of(24, 0)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
 from tests.mesh import Mesh, collect, greedy_request
+from tests.e2e.api import prompt_of
 from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "test-key"
@@ -42,10 +43,6 @@ def mesh(tmp_path_factory, default_model_dir):
 
 def generate(mesh: Mesh, request: gateway_pb2.GenerateRequest, timeout: float = 120):
     return collect(mesh.gateway().Generate(request, metadata=AUTH, timeout=timeout))
-
-
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i * 131) % 40000 + 200 for i in range(length)]
 
 
 def test_concurrent_greedy_requests_match_hf(mesh, parity_prompts, parity_references):
