@@ -12,9 +12,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 
 from services.common import internal_auth
+from services.common.channels import internal_channel
 from services.common.config import add_option, from_args, parse_address, parse_list
 from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
@@ -93,7 +93,7 @@ async def serve(config: GatewayConfig) -> None:
     model = ServedModel.from_model_dir(config.model, codec)
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
-    channel = grpc.aio.insecure_channel(config.scheduler)
+    channel = internal_channel(config.scheduler)
     pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
                                   config.internal_token, metrics=metrics, limits=config.limits)
     server = create_server(config.host, config.port, api_keys=config.api_keys,

@@ -8,15 +8,10 @@ import asyncio
 import grpc
 from opentelemetry import trace
 
-from services.common.grpc_server import INTERNAL_TOKEN_KEY, MAX_MESSAGE_BYTES
+from services.common.channels import internal_channel
+from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.tracing import inject_metadata
 from tandem.v1 import worker_pb2_grpc
-
-_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-
 
 class WorkerClients:
     def __init__(self, internal_token: str | None = None) -> None:
@@ -52,6 +47,6 @@ class WorkerClients:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            channel = self._channels[address] = internal_channel(address)
         return channel
 

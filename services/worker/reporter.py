@@ -20,7 +20,7 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.1
-_BACKOFF_MAX_S = 1.0  # as often as the channel itself retries (transport.CHANNEL_OPTIONS)
+_BACKOFF_MAX_S = 1.0  # as often as the channel itself retries (services.common.channels)
 
 
 class TokenReporter:

@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.grpc_server import INTERNAL_TOKEN_KEY, MAX_MESSAGE_BYTES
-
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A restarted peer (the scheduler, a decode worker) is back on its address within seconds: try
-    # to reconnect at least every second, not after gRPC's default backoff of up to two minutes.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
+from services.common.channels import internal_channel
+from services.common.grpc_server import INTERNAL_TOKEN_KEY
 
 
 def internal_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -24,7 +16,7 @@ def internal_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return internal_channel(address)
 
 
 class ChannelPool:
