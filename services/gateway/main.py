@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from services.common import internal_auth
 from services.common.channels import internal_channel
 from services.common.config import add_option, from_args, parse_address, parse_list
