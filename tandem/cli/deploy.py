@@ -1,7 +1,8 @@
-"""`tandem deploy compose`: the docker compose deployment for N prefill and M decode workers.
+"""`tandem deploy compose` and `tandem deploy kubernetes`; the compose writer lives here.
 
 infra/docker-compose.yml and infra/docker-compose.cpu.yml are this module's output for one worker
-of each role (tests/unit/test_infra.py checks), so the deployment has one source of truth.
+of each role (tests/unit/test_infra.py checks), so the deployment has one source of truth. The
+Kubernetes writer is tandem/cli/kubernetes.py; both take their roles and ports from topology.py.
 """
 
 from __future__ import annotations
@@ -14,31 +15,28 @@ from typing import Any
 
 import yaml
 
+from tandem.cli import kubernetes
+from tandem.cli.topology import (
+    DECODE,
+    GATEWAY_HTTP_PORT,
+    GATEWAY_PORT,
+    PREFILL,
+    SCHEDULER_METRICS_PORT,
+    SCHEDULER_PORT,
+    TANDEM_HOME,
+    Role,
+    Topology,
+)
+
 REDIS_IMAGE = "redis:7.4.1-alpine"
 JAEGER_IMAGE = "jaegertracing/all-in-one:1.62.0"
 GPU_IMAGE = "${TANDEM_IMAGE:-tandem:gpu}"
 CPU_IMAGE = "${TANDEM_CPU_IMAGE:-tandem:cpu}"
-TANDEM_HOME = "/var/lib/tandem"  # the model-cache volume, mounted in every Tandem container
-SCHEDULER = "scheduler:50052"
-SCHEDULER_PORT, SCHEDULER_METRICS_PORT = 50052, 9102
-GATEWAY_PORT, GATEWAY_HTTP_PORT = 50051, 8000
+SCHEDULER = f"scheduler:{SCHEDULER_PORT}"
 # The internal token, interpolated by compose from infra/.env: `docker compose up` stops with this
 # message when it is unset or empty. It is also Redis's password.
 INTERNAL_TOKEN = "${TANDEM_INTERNAL_TOKEN:?set TANDEM_INTERNAL_TOKEN in infra/.env}"
 REDIS_CONFIG = "/usr/local/etc/redis/tandem.conf"
-
-
-@dataclass(frozen=True, slots=True)
-class Role:
-    """A worker role: its `tandem` subcommand and the ports each of its containers listens on."""
-
-    name: str
-    port: int
-    metrics_port: int
-
-
-PREFILL = Role("prefill", 50061, 9103)
-DECODE = Role("decode", 50071, 9104)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,26 +60,11 @@ class Worker:
         ]  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class Topology:
-    """How many workers of each role; prefill workers take the first GPUs, decode the next."""
-
-    prefill: int = 1
-    decode: int = 1
-
-    def __post_init__(self) -> None:
-        for role, count in (("prefill", self.prefill), ("decode", self.decode)):
-            if count < 1:
-                raise ValueError(f"--{role} must be at least 1, got {count}")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.prefill + self.decode
-
-    def workers(self) -> list[Worker]:
-        prefill = [Worker(PREFILL, i, i) for i in range(self.prefill)]
-        decode = [Worker(DECODE, i, self.prefill + i) for i in range(self.decode)]
-        return prefill + decode
+def worker_containers(topology: Topology) -> list[Worker]:
+    """The worker containers of `topology`: prefill workers take the first GPUs, decode the next."""
+    prefill = [Worker(PREFILL, i, i) for i in range(topology.prefill)]
+    decode = [Worker(DECODE, i, topology.prefill + i) for i in range(topology.decode)]
+    return prefill + decode
 
 
 # --- YAML writing: anchors with chosen names, merge keys, flow lists, compose's !reset ----------
@@ -290,7 +273,7 @@ def _gateway(anchors: _Anchors, workers: list[Worker]) -> dict:
 def compose_document(topology: Topology) -> dict[str, Any]:
     """The compose file as data, anchors included (what `render_compose` writes)."""
     anchors = _anchors()
-    workers = topology.workers()
+    workers = worker_containers(topology)
     services = {"redis": _redis(), "jaeger": _jaeger(), "model-init": _model_init(anchors),
                 "scheduler": _scheduler(anchors)}  # fmt: skip
     services.update({w.service: _worker(anchors, w) for w in workers})
@@ -315,7 +298,7 @@ def cpu_override_document(topology: Topology) -> dict[str, Any]:
         "build": {"context": "..", "dockerfile": "infra/docker/Dockerfile.cpu"},
     })  # fmt: skip
     services: dict[str, Any] = {"model-init": {MERGE: cpu}, "scheduler": {MERGE: cpu}}
-    for worker in topology.workers():
+    for worker in worker_containers(topology):
         services[worker.service] = {MERGE: cpu, "command": _Flow(worker.command("cpu")), "deploy": RESET}
     services["gateway"] = {MERGE: cpu}
     return {"x-tandem-cpu": cpu, "services": services}
@@ -383,9 +366,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the CPU override for this topology instead (use it as a second -f)",
     )
     compose.add_argument("--output", "-o", type=Path, metavar="FILE", help="file to write (default: standard output)")
+    _add_kubernetes_arguments(targets.add_parser(
+        "kubernetes",
+        help="write Kubernetes manifests: per-role replicas, GPU or CPU profile, probes, ServiceMonitor",
+        description="Write the Kubernetes manifests of a deployment, one file per component "
+        "(see infra/kubernetes/README.md). Flags override --values.",
+    ))  # fmt: skip
+
+
+def _add_kubernetes_arguments(parser: argparse.ArgumentParser) -> None:
+    for role in ("gateway", "prefill", "decode"):
+        parser.add_argument(f"--{role}", type=_positive_int, metavar="N", help=f"{role} replicas (default 1)")
+    parser.add_argument("--profile", choices=[p.value for p in kubernetes.Profile],
+                        help="gpu: one nvidia.com/gpu per worker pod (default); cpu: workers on the CPU")
+    parser.add_argument("--image", help="the Tandem image, in a registry the cluster can pull from "
+                        "(default tandem:gpu or tandem:cpu)")
+    parser.add_argument("--placement", choices=[p.value for p in kubernetes.Placement],
+                        help="prefill and decode pods: share nodes when they can (default), "
+                        "separate (never on one node), or any")
+    parser.add_argument("--service-type", choices=kubernetes.SERVICE_TYPES,
+                        help="the gateway Service's type (default ClusterIP)")
+    parser.add_argument("--no-service-monitor", dest="service_monitor", action="store_false", default=None,
+                        help=f"leave out {kubernetes.MONITORING_FILE} (Prometheus Operator)")
+    parser.add_argument("--values", type=Path, metavar="FILE",
+                        help="a YAML file of the same settings (replicas: {prefill: 2}, profile: cpu, ...)")
+    parser.add_argument("--with-secret", action="store_true",
+                        help="also write secret.yaml, the internal token's Secret with a fresh random token "
+                        "(keep it out of version control)")
+    parser.add_argument("--output", "-o", type=Path, metavar="DIR",
+                        help="directory to write the files to (default: one stream on standard output)")
+
+
+def kubernetes_spec(args: argparse.Namespace) -> kubernetes.KubernetesSpec:
+    """The spec from --values, then the flags given on the command line."""
+    values: dict[str, Any] = {}
+    if args.values is not None:
+        values = yaml.safe_load(args.values.read_text(encoding="utf-8")) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{args.values}: expected a mapping of settings, got {type(values).__name__}")
+    replicas = {role: getattr(args, role) for role in ("gateway", "prefill", "decode") if getattr(args, role)}
+    values["replicas"] = {**values.get("replicas", {}), **replicas}
+    for name in ("profile", "image", "placement", "service_type", "service_monitor"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return kubernetes.KubernetesSpec.from_values(values)
+
+
+def _main_kubernetes(args: argparse.Namespace) -> int:
+    try:
+        spec = kubernetes_spec(args)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as exc:
+        print(f"tandem deploy kubernetes: {exc}", file=sys.stderr)
+        return 2
+    secret = [kubernetes.token_secret()] if args.with_secret else []
+    if args.output is None:
+        sys.stdout.write(kubernetes.render_stream(spec) + (kubernetes.dump_all(secret) if secret else ""))
+        return 0
+    files = kubernetes.render_files(spec)
+    for name, text in files.items():
+        path = args.output / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    if secret:
+        path = args.output / "secret.yaml"
+        path.write_text(kubernetes.dump_all(secret), encoding="utf-8")
+        path.chmod(0o600)
+    print(f"wrote {len(files) + len(secret)} files to {args.output} ({kubernetes.command_line(spec)})", file=sys.stderr)
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.deploy_target == "kubernetes":
+        return _main_kubernetes(args)
     topology = Topology(args.prefill, args.decode)
     text = render_cpu_override(topology) if args.cpu else render_compose(topology)
     if args.output is None:

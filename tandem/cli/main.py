@@ -32,7 +32,7 @@ COMMANDS: dict[str, Command] = {
     "model": Command("tandem.cli.model", "manage models: pull the default model, show a model's sizes"),
     "generate": Command("tandem.cli.generate", "generate text in-process with the engine"),
     "trace": Command("tandem.cli.trace", "show a request's end-to-end trace"),
-    "deploy": Command("tandem.cli.deploy", "write a docker compose deployment for N prefill and M decode workers"),
+    "deploy": Command("tandem.cli.deploy", "write a docker compose or Kubernetes deployment"),
 }
 
 
