@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass
@@ -31,12 +32,14 @@ COMMANDS: dict[str, Command] = {
     "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
     "model": Command("tandem.cli.model", "manage models: pull the default model, show a model's sizes"),
     "generate": Command("tandem.cli.generate", "generate text in-process with the engine"),
+    "chat": Command("tandem.cli.chat", "chat with a running gateway, the reply streamed (--url)"),
     "trace": Command("tandem.cli.trace", "show a request's end-to-end trace"),
     "deploy": Command("tandem.cli.deploy", "write a docker compose or Kubernetes deployment"),
 }
 
 
 GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE, what shells expect of `cmd | head`
 
 
 class CommandUnavailable(RuntimeError):
@@ -50,11 +53,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         epilog=_commands_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", help="one of the commands below; `tandem COMMAND --help` shows its options"
     )
     parsers = {name: subparsers.add_parser(name, description=command.help) for name, command in COMMANDS.items()}
     return parser, parsers
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; `pip install -e .` records it)"
 
 
 def _commands_help() -> str:
@@ -100,3 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """The reader of our output went away (`tandem trace ... | head`): end quietly, as `cat` does.
+
+    Standard output is pointed at /dev/null so the interpreter's final flush of what is still
+    buffered cannot raise the same error again at exit.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import os
 import subprocess
@@ -15,7 +16,8 @@ from tandem.cli.generate import Completion, StreamView
 from tandem.cli.main import COMMANDS, Command
 
 ALL_COMMANDS = [
-    "up", "gateway", "scheduler", "prefill", "decode", "colocated", "health", "model", "generate", "trace", "deploy",
+    "up", "gateway", "scheduler", "prefill", "decode", "colocated", "health", "model", "generate", "chat", "trace",
+    "deploy",
 ]
 
 
@@ -45,6 +47,13 @@ def test_python_m_tandem_cli_is_the_tandem_command():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: tandem ")
     assert "commands:" in done.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"tandem {importlib.metadata.version('tandem')}\n"
 
 
 def test_no_command_prints_help_and_fails(capsys):

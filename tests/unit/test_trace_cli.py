@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -388,3 +390,18 @@ def test_jaeger_last(jaeger: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_unreachable_jaeger_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "req-7", "--jaeger", "http://127.0.0.1:9")
     assert code == 1 and "cannot query Jaeger at http://127.0.0.1:9/api/services" in err
+
+
+def test_piped_into_head_it_ends_quietly(tmp_path: Path) -> None:
+    """`tandem trace --last N | head -1`: the reader leaves early; no BrokenPipe traceback."""
+    roots = [_span(i + 1, None, SpanName.GATEWAY, "gateway", i, i + 5, trace_id=f"{i + 1:032x}",
+                   request_id=f"req-{i}") for i in range(3000)]  # ~250 KB of rows, past any pipe buffer
+    _write(tmp_path, roots, started=[])
+    command = f"{sys.executable} -m tandem.cli trace --last 3000 --run-dir {tmp_path} | head -1; " \
+              "echo \"status ${PIPESTATUS[0]}\""
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.stderr == ""
+    first, status = done.stdout.splitlines()
+    assert first.split()[:2] == ["STARTED", "REQUEST"]
+    assert status == "status 141"
