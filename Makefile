@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-setup
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test test-stress
+.PHONY: setup redis-server run test test-stress
 
 setup: $(STAMP)
 	@$(BIN)/tandem model pull-default
@@ -23,10 +23,20 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/tandem up
 
-test: setup
+# The integration tests start their own redis-server: installed with apt-get when missing (as root,
+# or through passwordless sudo); anything else stops with the command to run.
+APT_INSTALL_REDIS := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+
+redis-server:
 	@command -v redis-server >/dev/null || { \
-		echo "make test: redis-server not found; the tests start their own (apt-get install redis-server)" >&2; \
-		exit 1; }
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && $(APT_INSTALL_REDIS); \
+		elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then \
+			sudo apt-get update -qq && sudo $(APT_INSTALL_REDIS); \
+		else echo "make test: redis-server is missing and installing it needs root: run" \
+			"\`sudo apt-get install redis-server\` (or put a redis-server on PATH), then make test again" >&2; \
+			exit 1; fi; }
+
+test: setup redis-server
 	$(BIN)/python -m pytest -q tests
 
 # The suite 5 times in a row with a busy process loading the CPU (scripts/stress_tests.sh).
