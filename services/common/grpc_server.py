@@ -1,7 +1,7 @@
 """grpc.aio server bootstrap shared by every service: health (NOT_SERVING until marked), reflection,
-auth (credentials read as auth.py says) and error-mapping interceptors, graceful shutdown on
-SIGTERM/SIGINT, and the helpers that pass the remaining deadline and the trace context on to
-downstream calls.
+auth (credentials read as auth.py says) and error-mapping interceptors, keepalive, TLS when given,
+graceful shutdown on SIGTERM/SIGINT, and the helpers that pass the remaining deadline and the trace
+context on to downstream calls.
 """
 
 from __future__ import annotations
@@ -32,6 +32,22 @@ TRACE_METADATA_KEYS = ("traceparent", "tracestate", "baggage")
 MAX_MESSAGE_BYTES = 64 << 20
 CONTROL_MESSAGE_BYTES = 16 << 20
 PUBLIC_MESSAGE_BYTES = 4 << 20
+# Keepalive (README "Connections"): a side whose connection has been silent for KEEPALIVE_TIME_MS pings
+# the peer and drops the connection when no answer comes within KEEPALIVE_TIMEOUT_MS. The pings keep
+# long streams alive through NATs and load balancers that drop idle flows (often after 60 s or more),
+# and a dead or frozen peer is noticed within 30 s instead of at the OS's TCP timeout (hours).
+# Internal channels (services/common/channels.py) and the SDK ping as often; servers accept pings
+# down to MIN_PING_INTERVAL_MS apart, with or without calls, and answer faster ones with GOAWAY.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_PING_INTERVAL_MS = 10_000
+SERVER_KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 # Probes and tooling must work without credentials.
 _OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
 
@@ -248,6 +264,7 @@ def create_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_receive_bytes: int = CONTROL_MESSAGE_BYTES,
     max_send_bytes: int = MAX_MESSAGE_BYTES,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """Create (not start) a server bound to host:port (port 0 picks a free one; see .port).
 
@@ -256,6 +273,7 @@ def create_server(
     (services decide that with services.common.internal_auth, which refuses None unless told).
     max_receive_bytes / max_send_bytes: the largest message taken / sent; a bigger one fails the call
     with RESOURCE_EXHAUSTED.
+    credentials: TLS (services.common.tls: a public door's certificate, or mutual TLS); None = plaintext.
     Interceptor order: auth, then caller-supplied ones (tracing), then error mapping (innermost).
     """
     chain: list[grpc.aio.ServerInterceptor] = []
@@ -269,11 +287,13 @@ def create_server(
         ("grpc.max_receive_message_length", max_receive_bytes),
         # Without this a second server on a busy port binds silently and steals half the calls.
         ("grpc.so_reuseport", 0),
+        *SERVER_KEEPALIVE_OPTIONS,
     ]
     server = grpc.aio.server(interceptors=chain, options=options)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
     return GrpcServer(server, bound)

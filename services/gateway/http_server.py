@@ -1,5 +1,6 @@
-"""uvicorn embedded in the gateway's event loop: the HTTP app served on a socket the gateway binds,
-with no signal handlers of its own (the gateway's main owns SIGTERM/SIGINT), stopped gracefully.
+"""uvicorn embedded in the gateway's event loop: the HTTP app served on a socket the gateway binds
+(HTTPS when given a certificate), with no signal handlers of its own (the gateway's main owns
+SIGTERM/SIGINT), stopped gracefully.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+
+from services.common.tls import ServerCertificate
 
 
 @dataclass(slots=True)
@@ -28,8 +31,10 @@ class HttpServer:
         await self.task
 
 
-async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0) -> HttpServer:
-    """Serve `app` on host:port from the running event loop (port 0 picks a free one).
+async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0,
+                     tls: ServerCertificate | None = None) -> HttpServer:
+    """Serve `app` on host:port from the running event loop (port 0 picks a free one), over TLS
+    with `tls`'s certificate when given.
 
     The gateway's main owns SIGTERM/SIGINT (grpc_server.run_until_signal), so uvicorn installs
     no signal handlers; stop it with `HttpServer.stop()`.
@@ -39,7 +44,9 @@ async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0) -> 
         sock = socket.create_server((host, port), family=family, reuse_port=False)
     except OSError as exc:
         raise OSError(f"cannot listen on {host}:{port} for HTTP: {exc}; is another process using the port?") from exc
-    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace)
+    certificate = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)} if tls else {}
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace,
+                            **certificate)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

@@ -19,6 +19,7 @@ from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
 from services.common.model_config import ModelLoadError
 from services.common.model_store import default_model_dir
+from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, add_server_arguments, server_certificate
 from services.common.tokenizer import TextCodec
 from services.common.tracing import setup_tracing
 from services.gateway import http_app, limits
@@ -42,7 +43,9 @@ class GatewayConfig:
     scheduler: str
     model: Path
     api_keys: tuple[str, ...]
-    internal_token: str | None  # sent to the scheduler; None only under --insecure-internal
+    internal_token: str | None  # sent to the scheduler; None only under --insecure-internal or with internal_tls
+    internal_tls: MutualTLS | None  # mutual TLS with the scheduler
+    tls: ServerCertificate | None  # the public doors' certificate (gRPC and HTTP); None: plaintext
     request_timeout: float  # seconds; the deadline of requests whose caller set none
     http: http_app.HttpConfig  # the HTTP bridge's body limit (and api_keys, request_timeout again)
     limits: limits.RequestLimits  # what one request may ask for, on both doors
@@ -57,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
     add_option(parser, "--api-keys", type=parse_list, default=(),
                help="comma-separated client API keys; none turns authentication off")
+    add_server_arguments(parser)
     internal_auth.add_arguments(parser)
     add_option(parser, "--request-timeout", type=float, default=600.0,
                help="deadline in seconds of requests whose caller set none")
@@ -67,13 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        internal_token = internal_auth.token_from_args(args, "gateway")
-    except internal_auth.InternalAuthError as exc:
+        auth = internal_auth.auth_from_args(args, "gateway")
+        tls = server_certificate(args.tls_cert, args.tls_key)
+    except (internal_auth.InternalAuthError, TLSConfigError) as exc:
         print(f"tandem gateway: {exc}", file=sys.stderr)
         return 2
     config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
                        http=http_app.config_from_args(args), limits=limits.limits_from_args(args),
-                       internal_token=internal_token)
+                       internal_token=auth.token, internal_tls=auth.tls, tls=tls)
     if not config.model.is_dir():
         print(f"tandem gateway: model directory {config.model} not found; run `tandem model pull-default` "
               "or pass --model DIR", file=sys.stderr)
@@ -92,18 +97,20 @@ async def serve(config: GatewayConfig) -> None:
     model = ServedModel.from_model_dir(config.model, codec)
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
-    channel = internal_channel(config.scheduler)
+    channel = internal_channel(config.scheduler, config.internal_tls)
     pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
                                   config.internal_token, metrics=metrics, limits=config.limits)
     server = create_server(config.host, config.port, api_keys=config.api_keys,
-                           max_receive_bytes=PUBLIC_MESSAGE_BYTES)
+                           max_receive_bytes=PUBLIC_MESSAGE_BYTES,
+                           credentials=config.tls.grpc_credentials() if config.tls else None)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
                        GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys)))
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
-    http_server = await start_http(http, config.host, config.http_port)
-    log.info("serving %s on %s:%d, HTTP on port %d (scheduler %s, auth %s)", model.name, config.host, server.port,
-             http_server.port, config.scheduler, "on" if config.api_keys else "off")
+    http_server = await start_http(http, config.host, config.http_port, tls=config.tls)
+    log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", model.name, config.host,
+             server.port, "S" if config.tls else "", http_server.port, config.scheduler,
+             "on" if config.api_keys else "off", "on" if config.tls else "off")
     follower = asyncio.create_task(follow_scheduler_health(channel, server, http, model=model.name,
                                                            internal_token=config.internal_token))
     try:

@@ -15,6 +15,7 @@ from services.common.config import add_option, env_default, env_name, from_args,
 from services.common.grpc_server import GrpcServer, create_server
 from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics_server
 from services.common.store import Store, StoreUnavailable, open_store
+from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
@@ -37,7 +38,8 @@ class SchedulerConfig:
     dispatched at once per decode (or colocated) worker; more wait in the queue. metrics_port: the
     Prometheus endpoint on `host` (0: off). heartbeat_ttl: seconds a worker stays live after its last
     heartbeat. internal_token: the secret internal callers present and this scheduler sends to workers
-    (`x-tandem-internal-token`; None: open, only under --insecure-internal). migration: a request whose
+    (`x-tandem-internal-token`); internal_tls: mutual TLS with callers and workers (both None: open,
+    only under --insecure-internal). migration: a request whose
     generating worker is lost goes on on another one (services/scheduler/migration.py). batch_*: the
     batching policy every worker applies from its registration on (0: the worker keeps its own flag)."""
 
@@ -49,6 +51,7 @@ class SchedulerConfig:
     metrics_port: int = 9102
     heartbeat_ttl: float = 5.0
     internal_token: str | None = None
+    internal_tls: MutualTLS | None = None
     migration: bool = True
     batch_max_tokens: int = 0
     batch_max_seqs: int = 0
@@ -105,7 +108,8 @@ def batch_policy(config: SchedulerConfig) -> scheduler_pb2.BatchPolicy:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = from_args(SchedulerConfig, args, internal_token=internal_auth.token_from_args(args, "scheduler"))
+        auth = internal_auth.auth_from_args(args, "scheduler")
+        config = from_args(SchedulerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
     except ValueError as exc:
         print(f"tandem scheduler: {exc}", file=sys.stderr)
         return 2
@@ -123,10 +127,11 @@ async def serve(config: SchedulerConfig) -> None:
     metrics = ServiceMetrics("", "scheduler")
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
-    clients = WorkerClients(config.internal_token)
+    clients = WorkerClients(config.internal_token, config.internal_tls)
     dispatcher = Dispatcher(WorkerRegistry(store, config.heartbeat_ttl), clients, max_queue=config.max_queue,
                             max_running=config.max_running, migration=config.migration, metrics=metrics)
-    server = create_server(config.host, config.port, internal_token=config.internal_token)
+    server = create_server(config.host, config.port, internal_token=config.internal_token,
+                           credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6), policy=batch_policy(config)))
     try:

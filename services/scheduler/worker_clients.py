@@ -1,5 +1,5 @@
 """Outgoing calls to workers: one grpc.aio channel per worker address, kept open, and the metadata
-(W3C trace context of the request's span, internal token) every call carries."""
+(W3C trace context of the request's span, internal token) every call carries, over mutual TLS when set."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from opentelemetry import trace
 
 from services.common.channels import internal_channel
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
+from services.common.tls import MutualTLS
 from services.common.tracing import inject_metadata
 from tandem.v1 import worker_pb2_grpc
 
 class WorkerClients:
-    def __init__(self, internal_token: str | None = None) -> None:
+    def __init__(self, internal_token: str | None = None, tls: MutualTLS | None = None) -> None:
         self._internal_token = internal_token
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
@@ -47,6 +49,6 @@ class WorkerClients:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = internal_channel(address)
+            channel = self._channels[address] = internal_channel(address, self._tls)
         return channel
 

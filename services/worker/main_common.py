@@ -27,6 +27,7 @@ from services.common.config import add_option, from_args, parse_address, parse_s
 from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
 from services.common.model_store import ensure_default_model, model_name
+from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.runtime.engine import Engine, EngineConfig
 from services.worker.runtime import WorkerIdentity, WorkerRuntime
@@ -59,7 +60,8 @@ class WorkerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint; else served on `host`, like the gRPC port
     attention: str = "auto"
     worker_id: str | None = None
-    internal_token: str | None = None  # None: open, only under --insecure-internal
+    internal_token: str | None = None  # None and no internal_tls: open, only under --insecure-internal
+    internal_tls: MutualTLS | None = None
 
     @property
     def num_threads(self) -> int | None:
@@ -131,7 +133,8 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
     try:
-        config = from_args(WorkerConfig, args, internal_token=internal_auth.token_from_args(args, spec.name))
+        auth = internal_auth.auth_from_args(args, spec.name)
+        config = from_args(WorkerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
     except internal_auth.InternalAuthError as exc:
         print(f"tandem {spec.name}: {exc}", file=sys.stderr)
         return 2
@@ -141,11 +144,12 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
 async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
     """Serves until SIGTERM/SIGINT or an engine failure; returns the exit status."""
     stopping = _stop_on_signals()
-    channels = ChannelPool(config.internal_token)
+    channels = ChannelPool(config.internal_token, config.internal_tls)
     loaded: asyncio.Future[WorkerRuntime] = asyncio.get_running_loop().create_future()
     servicer = spec.make_servicer(config, channels, loaded)
     server = create_server(config.host, config.port, internal_token=config.internal_token,
-                           max_receive_bytes=spec.max_receive_bytes)
+                           max_receive_bytes=spec.max_receive_bytes,
+                           credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
     for name, register in spec.services:
         server.add_service(name, register, servicer)
     await server.start()

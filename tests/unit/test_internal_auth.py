@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common import internal_auth
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, GrpcServer, create_server
-from services.common.internal_auth import InternalAuthError, token_from_args
+from services.common.internal_auth import InternalAuthError, auth_from_args
 from services.colocated.main import SPEC as COLOCATED
 from services.decode.main import SPEC as DECODE
 from services.prefill.main import SPEC as PREFILL
@@ -29,7 +29,8 @@ TOKEN = "a-token-of-sufficient-length"
 NO_TOKEN = (
     "no internal token: set TANDEM_INTERNAL_TOKEN (or pass --internal-token-file FILE) to the secret that every "
     "Tandem service of this deployment shares, e.g. from python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
-    "; or pass --insecure-internal (TANDEM_INSECURE_INTERNAL=1) to leave the internal RPCs open to anyone who can "
+    "; or give mutual TLS (--internal-tls-ca, --internal-tls-cert, --internal-tls-key); or pass --insecure-internal "
+    "(TANDEM_INSECURE_INTERNAL=1) to leave the internal RPCs open to anyone who can "
     "reach them"
 )
 # Every service the scheduler and the workers serve, as they register it, with its generated base servicer
@@ -122,20 +123,20 @@ def parse(monkeypatch: pytest.MonkeyPatch):
 
 def test_no_token_refuses_with_what_to_set(parse) -> None:
     with pytest.raises(InternalAuthError) as refused:
-        token_from_args(parse(), "scheduler")
+        auth_from_args(parse(), "scheduler")
     assert str(refused.value) == NO_TOKEN
 
 
 def test_token_from_the_variable_the_flag_or_a_file(parse, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert token_from_args(parse("--internal-token", TOKEN), "scheduler") == TOKEN
+    assert auth_from_args(parse("--internal-token", TOKEN), "scheduler").token == TOKEN
     secret = tmp_path / "token"
     secret.write_text(f"  {TOKEN}\n")  # as a mounted Kubernetes secret may hold it
-    assert token_from_args(parse("--internal-token-file", str(secret)), "scheduler") == TOKEN
+    assert auth_from_args(parse("--internal-token-file", str(secret)), "scheduler").token == TOKEN
     monkeypatch.setenv("TANDEM_INTERNAL_TOKEN", TOKEN + "-env")
-    assert token_from_args(parse(), "scheduler") == TOKEN + "-env"
+    assert auth_from_args(parse(), "scheduler").token == TOKEN + "-env"
     monkeypatch.delenv("TANDEM_INTERNAL_TOKEN")
     monkeypatch.setenv("TANDEM_INTERNAL_TOKEN_FILE", str(secret))
-    assert token_from_args(parse(), "scheduler") == TOKEN
+    assert auth_from_args(parse(), "scheduler").token == TOKEN
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -150,11 +151,12 @@ def test_token_from_the_variable_the_flag_or_a_file(parse, monkeypatch: pytest.M
     (("--internal-token-file", "/nonexistent/token"),
      "cannot read --internal-token-file /nonexistent/token: No such file or directory"),
     (("--internal-token", TOKEN, "--insecure-internal"),
-     "--insecure-internal (TANDEM_INSECURE_INTERNAL) and an internal token are both set; drop one"),
+     "--insecure-internal (TANDEM_INSECURE_INTERNAL) and an internal token or mutual TLS are both set; "
+     "drop one"),
 ])
 def test_bad_token_settings_say_what_to_change(parse, argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(InternalAuthError) as refused:
-        token_from_args(parse(*argv), "scheduler")
+        auth_from_args(parse(*argv), "scheduler")
     assert str(refused.value) == message
 
 
@@ -162,14 +164,14 @@ def test_an_empty_token_file_is_refused(parse, tmp_path: Path) -> None:
     empty = tmp_path / "token"
     empty.write_text("\n")
     with pytest.raises(InternalAuthError) as refused:
-        token_from_args(parse("--internal-token-file", str(empty)), "decode")
+        auth_from_args(parse("--internal-token-file", str(empty)), "decode")
     assert str(refused.value) == f"--internal-token-file {empty} is empty; write the token into it"
 
 
 def test_insecure_internal_runs_open_and_says_so(parse, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TANDEM_INSECURE_INTERNAL", "1")
     with caplog.at_level(logging.WARNING, logger="services.common.internal_auth"):
-        assert token_from_args(parse(), "decode") is None
+        assert auth_from_args(parse(), "decode") == internal_auth.InternalAuth()
     (record,) = caplog.records
     assert record.getMessage().startswith("INSECURE: decode runs with --insecure-internal: its internal RPCs "
                                           "accept calls from anyone who can reach it")
