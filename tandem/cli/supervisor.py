@@ -94,15 +94,20 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_ready(children: Sequence[Child], timeout: float, stop: threading.Event) -> None:
-    """Return once every child is ready. StartFailed when one exits or the time is up; Interrupted on `stop`."""
+def wait_ready(children: Sequence[Child], timeout: float, stop: threading.Event,
+               on_ready: Callable[[Child], None] = lambda child: None) -> None:
+    """Return once every child is ready, calling `on_ready` for each as it gets there. StartFailed
+    when one exits or the time is up; Interrupted on `stop`."""
     deadline = time.monotonic() + timeout
     pending = list(children)
     while True:
         for child in pending:
             if child.exit_code() is not None:
                 raise StartFailed(child.died_message())
-        pending = [child for child in pending if not _is_ready(child)]
+        ready = [child for child in pending if _is_ready(child)]
+        for child in ready:
+            on_ready(child)
+        pending = [child for child in pending if child not in ready]
         if not pending:
             return
         if stop.is_set():

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,9 +283,15 @@ class LocalSystem:
 
     def _start_tier(self, children: list[Child], stop: threading.Event) -> None:
         self.tiers.append(children)
+        started = time.monotonic()
         for child in children:
             child.start(self._env)
-        wait_ready(children, self.config.start_timeout, stop)
+
+        def progress(child: Child) -> None:  # a line per service as it comes up: model loads take minutes
+            print(f"tandem up: started {child.name} in {time.monotonic() - started:.1f} s (pid {child.pid})",
+                  file=sys.stderr, flush=True)
+
+        wait_ready(children, self.config.start_timeout, stop, progress)
 
     def _add_grpc_endpoints(self, child: Child, port: int, metrics_port: int) -> None:
         self.endpoints.append(Endpoint(child.name, "grpc", self._address(port), child.pid))

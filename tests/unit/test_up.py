@@ -315,3 +315,19 @@ def test_auto_devices_round_robin_over_visible_gpus(monkeypatch):
     assert _devices("auto", 3) == ["cuda:0", "cuda:1", "cuda:0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert _devices("auto", 2) == ["cpu", "cpu"]
+
+
+def test_up_says_how_long_each_service_took_to_come_up(fakes, model_dir):
+    up = start_up(fakes, model_dir, "--redis-url", "redis://127.0.0.1:1/0")
+    try:
+        rows = read_until_ready(up)
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        stop(up)
+    pids = {r[0]: r[4] for r in rows if r[1] == "grpc"}
+    started = [line.split() for line in err.splitlines() if line.startswith("tandem up: started ")]
+    # tandem up: started NAME in S.S s (pid PID), in start order: the scheduler, the workers, the gateway
+    assert [(words[3], words[8].rstrip(")")) for words in started] == [
+        (name, pids[name]) for name in ("scheduler", "prefill-0", "decode-0", "gateway")]
+    assert all(words[4] == "in" and float(words[5]) >= 0 and words[6:7] == ["s"] for words in started)
