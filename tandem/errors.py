@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import grpc
 import grpc.aio
 
-from tandem.v1.errors import RETRY_AFTER_KEY, kind_named
+from tandem.v1.errors import kind_named, retry_after_hint
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
@@ -72,7 +72,12 @@ class Overloaded(TandemError):
 
 
 class Unavailable(TandemError):
-    """The server, or a worker the request needed, is unreachable or was lost (UNAVAILABLE)."""
+    """The server, or a worker the request needed, is unreachable or was lost (UNAVAILABLE);
+    `retry_after` is the server's hint in seconds, if it sent one."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, code)
+        self.retry_after = retry_after
 
 
 class DeadlineExceeded(TandemError):
@@ -99,7 +104,9 @@ def error_from_status(
 ) -> TandemError:
     """The exception for a status; codes without a class of their own give a plain TandemError."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(message, code, retry_after=_retry_after(trailing_metadata))
+        return Overloaded(message, code, retry_after=retry_after_hint(trailing_metadata))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(message, code, retry_after=retry_after_hint(trailing_metadata))
     return ERROR_BY_CODE.get(code, TandemError)(message, code)
 
 
@@ -108,13 +115,3 @@ def error_from_rpc(error: grpc.RpcError) -> TandemError:
     if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
         return TandemError(str(error))
     return error_from_status(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
-
-
-def _retry_after(metadata: tuple[tuple[str, str | bytes], ...]) -> float | None:
-    value = dict(metadata).get(RETRY_AFTER_KEY)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return None

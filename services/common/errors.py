@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-from tandem.v1.errors import INTERNAL, RETRY_AFTER_KEY, RETRY_AFTER_MS_KEY, ErrorKind, kind_named
+from tandem.v1.errors import INTERNAL, RETRY_AFTER_KEY, RETRY_AFTER_MS_KEY, ErrorKind, kind_named, retry_after_hint
 
 DEFAULT_RETRY_AFTER_S = 1.0  # the hint when a peer sent none
 
@@ -126,17 +126,3 @@ def retry_metadata(seconds: float) -> tuple[tuple[str, str], ...]:
     HTTP's Retry-After header takes it) and `retry-after-ms` with the precise value."""
     return ((RETRY_AFTER_KEY, str(max(1, math.ceil(seconds)))),
             (RETRY_AFTER_MS_KEY, str(max(0, round(seconds * 1000)))))
-
-
-def retry_after_hint(trailing_metadata: Sequence[tuple[str, str | bytes]]) -> float | None:
-    """The retry hint a peer sent, in seconds: `retry-after-ms` when present, else `retry-after`;
-    None when it sent neither (or nothing that parses as a number >= 0)."""
-    values = dict(trailing_metadata)
-    for key, scale in ((RETRY_AFTER_MS_KEY, 1000.0), (RETRY_AFTER_KEY, 1.0)):
-        try:
-            seconds = float(values[key]) / scale
-        except (KeyError, ValueError):
-            continue
-        if 0 <= seconds < math.inf:
-            return seconds
-    return None

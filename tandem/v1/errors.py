@@ -1,5 +1,5 @@
 """The error contract of the tandem.v1 API: the name, gRPC status code and HTTP status of every
-failure a Tandem server reports, the metadata keys of a retry hint, and how a RequestError's code
+failure a Tandem server reports, the metadata keys of a retry hint and how it reads, and how a RequestError's code
 number reads. Hand-written, beside the
 generated stubs, because it is part of the wire contract as much as the .proto files are.
 
@@ -13,12 +13,28 @@ lives here because it is the one place both may import: `tandem/` never imports 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 RETRY_AFTER_KEY = "retry-after"  # whole seconds, as HTTP's Retry-After
 RETRY_AFTER_MS_KEY = "retry-after-ms"  # the same hint in milliseconds, when the server estimated it
+
+
+def retry_after_hint(trailing_metadata: Sequence[tuple[str, str | bytes]]) -> float | None:
+    """The retry hint a peer sent, in seconds: `retry-after-ms` when present, else `retry-after`;
+    None when it sent neither (or nothing that parses as a number >= 0)."""
+    values = dict(trailing_metadata)
+    for key, scale in ((RETRY_AFTER_MS_KEY, 1000.0), (RETRY_AFTER_KEY, 1.0)):
+        try:
+            seconds = float(values[key]) / scale
+        except (KeyError, ValueError):
+            continue
+        if 0 <= seconds < math.inf:
+            return seconds
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,9 @@ from tandem.client import (
     AsyncChunkStream, AsyncClient, Chunk, ChunkStream, Client, Completion, ModelInfo, RetryPolicy, TLSConfig,
     TokenLogprob, TopLogprob, Usage,
 )
+from tandem.client.connection import Deadline, retry_delay
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.certificates import CertificateAuthority
 from tests.waiting import DEADLINE_S, eventually
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02, jitter=0.0)
@@ -64,6 +66,7 @@ class Seen:
     """What the fake gateway saw of one request id."""
 
     requests: list[gateway_pb2.GenerateRequest] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each attempt
     metadata: list[dict[str, str]] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)  # the handler was cancelled mid-call
 
@@ -89,6 +92,7 @@ class FakeGateway(gateway_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request, context):
         seen = self.seen(request.request_id or "auto")
         seen.requests.append(request)
+        seen.arrivals.append(time.monotonic())
         seen.metadata.append(dict(context.invocation_metadata()))
         scenario, _, arg = request.prompt.partition(":")
         if request.messages:
@@ -105,6 +109,14 @@ class FakeGateway(gateway_pb2_grpc.GenerateServiceServicer):
         elif scenario == "flaky":
             for message in _count(request, 2):
                 yield message
+        elif scenario == "busy-ms" and seen.attempts == 1:  # a full queue, with a sub-second retry hint
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGES[grpc.StatusCode.RESOURCE_EXHAUSTED],
+                                trailing_metadata=(("retry-after", "1"), ("retry-after-ms", arg)))
+        elif scenario == "busy-ms":
+            for message in _count(request, 2):
+                yield message
+        elif scenario == "busy-bare":  # a full queue, without a retry hint
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGES[grpc.StatusCode.RESOURCE_EXHAUSTED])
         elif scenario == "token-then":
             yield _response(request, [100], first=True, last=False)
             await _abort(context, grpc.StatusCode[arg])
@@ -377,10 +389,44 @@ def test_retries_stop_after_max_attempts(gateway: FakeGateway, kind: str) -> Non
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_other_codes_are_never_retried(gateway: FakeGateway, kind: str) -> None:
-    chunks, error = call(kind, gateway.target, "generate", "fail:RESOURCE_EXHAUSTED", request_id="r-busy")
-    assert isinstance(error, errors.Overloaded)
-    assert gateway.seen("r-busy").attempts == 1
+@pytest.mark.parametrize("prompt", ["fail:INTERNAL", "fail:NOT_FOUND", "busy-bare"])
+def test_other_codes_and_unhinted_overload_are_never_retried(gateway: FakeGateway, kind: str, prompt: str) -> None:
+    chunks, error = call(kind, gateway.target, "generate", prompt, request_id="r-once")
+    assert chunks == [] and type(error) is ERROR_CLASSES[grpc.StatusCode[prompt.partition(":")[2] or
+                                                                          "RESOURCE_EXHAUSTED"]]
+    assert gateway.seen("r-once").attempts == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overload_is_retried_after_the_sub_second_hint(gateway: FakeGateway, kind: str) -> None:
+    """retry-after-ms wins over the whole-second retry-after (1 s here) and over the policy's backoff."""
+    completion = call(kind, gateway.target, "complete", "busy-ms:300", request_id="r-busy")
+    assert completion.token_ids == [100, 101]
+    first, second = gateway.seen("r-busy").arrivals
+    assert second - first >= 0.3  # at least the hint (FAST_RETRY alone would wait 0.01 s)
+
+
+def test_the_retry_wait_is_the_servers_hint_else_the_backoff() -> None:
+    policy = RetryPolicy(max_attempts=3, initial_backoff=0.5, multiplier=2.0, jitter=0.0)
+    deadline = Deadline(60)
+    assert retry_delay(policy, 1, errors.Overloaded("full", retry_after=0.25), deadline) == 0.25
+    assert retry_delay(policy, 1, errors.Unavailable("down", retry_after=0.125), deadline) == 0.125
+    assert retry_delay(policy, 2, errors.Unavailable("down"), deadline) == 1.0
+    assert retry_delay(policy, 1, errors.Overloaded("full"), deadline) is None
+    assert retry_delay(policy, 3, errors.Unavailable("down", retry_after=0.1), deadline) is None  # out of attempts
+    assert retry_delay(policy, 1, errors.Overloaded("full", retry_after=90), deadline) is None  # past the deadline
+
+
+@pytest.mark.parametrize(("trailing", "hint"), [
+    ((("retry-after", "2"), ("retry-after-ms", "1250")), 1.25),
+    ((("retry-after", "2"),), 2.0),
+    ((("retry-after-ms", "40"),), 0.04),
+    ((("retry-after", "soon"),), None),
+    ((), None),
+])
+def test_the_retry_hint_reads_milliseconds_first(trailing, hint) -> None:
+    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        assert errors.error_from_status(code, "no room", trailing).retry_after == hint
 
 
 def test_retries_stay_within_the_call_deadline(gateway: FakeGateway) -> None:
@@ -533,6 +579,38 @@ def test_tls_with_custom_root_certificates(tls_gateway: FakeGateway, certificate
 def test_plaintext_client_cannot_reach_a_tls_server(tls_gateway: FakeGateway) -> None:
     chunks, error = call("sync", tls_gateway.target, "generate", "count:1", client={"timeout": 5})
     assert isinstance(error, errors.Unavailable)
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory: pytest.TempPathFactory) -> CertificateAuthority:
+    return CertificateAuthority.create(tmp_path_factory.mktemp("sdk-ca"))
+
+
+@pytest.fixture
+def mtls_gateway(authority: CertificateAuthority, tmp_path: Path) -> Iterator[FakeGateway]:
+    """A gateway that asks every client for a certificate its CA signed."""
+    ca, cert, key = authority.issue(tmp_path, "gateway").pem()
+    servicer = FakeGateway()
+    server = ServerThread(servicer, grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                                require_client_auth=True))
+    servicer.target = f"127.0.0.1:{server.port}"
+    yield servicer
+    server.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mutual_tls_with_a_ca_a_client_certificate_and_a_key(mtls_gateway: FakeGateway, authority, tmp_path: Path,
+                                                             kind: str) -> None:
+    issued = authority.issue(tmp_path, "sdk-client")
+    tls = TLSConfig.from_files(ca=issued.ca, cert=issued.cert, key=issued.key)
+    ca, cert, key = issued.pem()
+    assert tls == TLSConfig(root_certificates=ca, certificate_chain=cert, private_key=key)
+    completion = call(kind, mtls_gateway.target, "complete", "count:1", client={"tls": tls})
+    assert completion.token_ids == [100]
+    without_certificate = TLSConfig.from_files(ca=issued.ca)
+    chunks, error = call(kind, mtls_gateway.target, "generate", "count:1", client={"tls": without_certificate,
+                                                                                   "timeout": 5})
+    assert chunks == [] and type(error) is errors.Unavailable
 
 
 # --- packaging -------------------------------------------------------------------------------------
