@@ -31,6 +31,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                    240.0, 480.0, 960.0)
+# Tokens per request (prompt or generated): 1-2-5 steps up to long-context prompts.
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 LABELS = ("model_name", "worker")
@@ -82,6 +84,11 @@ class ServiceMetrics:
         self.num_migrations = counter(
             "tandem:num_migrations_total", "Requests moved to another worker after theirs was lost.")
         self.kv_transfer_bytes = counter("tandem:kv_transfer_bytes_total", "KV cache bytes transferred.")
+        self.request_prompt_tokens = histogram(
+            "tandem:request_prompt_tokens", "Prompt tokens of each finished or aborted request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "tandem:request_generation_tokens", "Tokens generated for each finished or aborted request.",
+            TOKEN_BUCKETS)
         self.prompt_tokens = counter("tandem:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("tandem:generation_tokens_total", "Tokens generated.")
         self._request_success = Counter(
@@ -92,6 +99,15 @@ class ServiceMetrics:
         """The success counter for one finish reason ("stop", "length", "abort")."""
         return self._request_success.labels(model_name=self.model_name, worker=self.worker,
                                             finished_reason=finished_reason)
+
+    def count_request(self, finished_reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
+        """One request that ended, finished or aborted ("abort": the client left or it failed first)."""
+        self.request_success(finished_reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.e2e_request_latency.observe(e2e_s)
 
 
 @dataclass(slots=True)

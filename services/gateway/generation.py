@@ -23,13 +23,14 @@ from services.common.metrics import ServiceMetrics
 from services.common.tokenizer import TextCodec
 from services.common.tracing import Attr, SpanName, TokenTimings, inject_metadata
 from services.common.wire import sampling_to_proto
+from services.gateway import telemetry
 from services.gateway.client_errors import for_client
 from services.gateway.limits import RequestLimits
 from services.gateway.output import Chunk, OutputAssembler, OutputOptions
 from services.gateway.prompt_encoder import DEFAULT_THREADS, PromptEncoder
 from services.gateway.request import GenerationRequest, ServedModel, new_request_id
 from services.gateway.validation import check_prompt_length, validate_request
-from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Generation:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._timings = timings
         self._closed = False
+        self._finished = False  # a finish reason arrived
+        self._error_recorded = False
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._chunks()
@@ -96,6 +99,9 @@ class Generation:
         self._closed = True
         if self._call is not None:
             self._call.cancel()
+        if not self._finished:
+            telemetry.record_abandoned(self._span, self._metrics, len(self.prompt_token_ids), self._timings.num_tokens,
+                                       self._elapsed_s(), failed=self._error_recorded)
         self._timings.annotate(self._span)
         self._span.end()
 
@@ -108,25 +114,19 @@ class Generation:
                 else:
                     self._metrics.inter_token_latency.observe(gap)
         if chunk.finish_reason is not None and chunk.usage is not None:
-            self._span.set_attributes({
-                Attr.GEN_AI_RESPONSE_FINISH_REASONS: [chunk.finish_reason],
-                Attr.GEN_AI_USAGE_INPUT_TOKENS: chunk.usage.prompt_tokens,
-                Attr.GEN_AI_USAGE_OUTPUT_TOKENS: chunk.usage.completion_tokens,
-            })
-            if self._metrics is not None:
-                self._count_finished(self._metrics, chunk.finish_reason, chunk.usage)
+            self._finished = True
+            telemetry.record_finished(self._span, self._metrics, self.request_id, chunk.finish_reason, chunk.usage,
+                                      self._elapsed_s())
 
-    def _count_finished(self, metrics: ServiceMetrics, finish_reason: str, usage: common_pb2.Usage) -> None:
-        metrics.request_success(finish_reason).inc()
-        metrics.prompt_tokens.inc(usage.prompt_tokens)
-        metrics.generation_tokens.inc(usage.completion_tokens)
-        metrics.e2e_request_latency.observe((time.time_ns() - self._timings.start_ns) / 1e9)
+    def _elapsed_s(self) -> float:
+        return (time.time_ns() - self._timings.start_ns) / 1e9
 
     def _failed(self, error: TandemError) -> TandemError:
         """The client's error for an upstream failure; the upstream's words go to the log and span."""
         detail = f"{type(error).__name__}: {error.message}"
         log.info("request %s failed: %s", self.request_id, detail)  # info: a full queue refuses many at once
-        self._span.set_status(trace.StatusCode.ERROR, detail)
+        telemetry.record_failed(self._span, error, detail)
+        self._error_recorded = True
         return for_client(error, self.request_id)
 
 
@@ -205,6 +205,7 @@ class GenerationPipeline:
         sampling = request.sampling
         attributes: dict[str, str | int | float] = {
             Attr.REQUEST_ID: request_id,
+            **telemetry.start_attributes(self.model.name),
             Attr.GEN_AI_OPERATION_NAME: "chat" if request.messages is not None else "text_completion",
             Attr.GEN_AI_REQUEST_MODEL: self.model.name,
             Attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,

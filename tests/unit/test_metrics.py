@@ -25,6 +25,8 @@ EXPECTED_FAMILIES = {
     "tandem:num_migrations_total": "counter",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:request_success_total": "counter",
+    "tandem:request_prompt_tokens": "histogram",
+    "tandem:request_generation_tokens": "histogram",
     "tandem:prompt_tokens_total": "counter",
     "tandem:generation_tokens_total": "counter",
 }
