@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.common.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,13 @@ class SamplingParams:
     presence_penalty: float = 0.0  # on output tokens
     frequency_penalty: float = 0.0  # on output tokens
     min_tokens: int = 0  # stop tokens are masked until this many tokens are out
+    structured: StructuredOutput | None = None  # a grammar the output must follow
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
+
+    @property
+    def clamped_logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias with each bias clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI does."""
+        return tuple((t, min(max(b, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)) for t, b in self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -39,10 +49,15 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field out of its range."""
+        """Raise ValueError naming the first field out of its range, or the grammar that does not compile."""
         for name, ok, rule in self._rules():
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.structured is not None:
+            try:
+                self.structured.validate()
+            except ValueError as exc:
+                raise ValueError(f"structured {exc}") from None
 
     def _rules(self) -> list[tuple[str, bool, str]]:
         # Chained comparisons are False for NaN, so NaN fails every range below.
@@ -61,6 +76,8 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              "must be an integer in [0, max_tokens]"),
+            ("logit_bias", all(_is_int(t) and t >= 0 and -math.inf < b < math.inf for t, b in self.logit_bias),
+             "must map token ids >= 0 to finite numbers"),
         ]
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from services.common.errors import InvalidRequest
 from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput
 from tandem.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16  # gateway.proto / common.proto: what an unset SamplingParams.max_tokens means
@@ -39,7 +40,30 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         min_tokens=msg.min_tokens,
+        structured=structured_from_proto(msg.structured),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set (unconstrained)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    spec = getattr(msg, kind) if kind in ("json_schema", "regex", "grammar") else ""
+    return StructuredOutput(kind, spec, tuple(msg.choice.choices), msg.strict, msg.num_generated_prompt_tokens)
+
+
+def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput(strict=structured.strict,
+                                      num_generated_prompt_tokens=structured.num_generated_prompt_tokens)
+    if structured.kind == "json_object":
+        msg.json_object = True
+    elif structured.kind == "choice":
+        msg.choice.choices.extend(structured.choices)
+    else:
+        setattr(msg, structured.kind, structured.spec)
+    return msg
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -55,7 +79,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
     )
+    if params.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(params.structured))
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -19,9 +19,11 @@ from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
+from services.runtime.grammar import GrammarCompiler
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
+from services.runtime.precision import Precision
 from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed
 from services.runtime.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -37,9 +39,13 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    precision: Precision = Precision()  # activations' and KV dtype, weights' format (runtime/precision.py)
     attention_backend: str = "auto"
     num_threads: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.dtype
 
 
 @dataclass(slots=True)
@@ -64,8 +70,10 @@ class IterationWork:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
+        """`grammars` compiles structured-output constraints; without it they are refused."""
         self.config = config
+        self.grammars = grammars
         self.model = model
         self.model_config = model.config
         num_blocks = config.num_kv_blocks or PagedKVCache.blocks_for_budget(
@@ -93,7 +101,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
         backend = select_backend(config.attention_backend, device)
-        return cls(CausalLM.from_model_dir(model_dir, backend, config.dtype, device), config)
+        model = CausalLM.from_model_dir(model_dir, backend, config.precision, device)
+        grammars = GrammarCompiler(Path(model_dir), model.config.vocab_size, model.config.eos_token_ids)
+        return cls(model, config, grammars)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -109,6 +119,7 @@ class Engine:
         self._check_new(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, resolve_seed(seed if seed is not None else params.seed),
                        salt=salt, stop_after_prefill=stop_after_prefill)
+        self._attach_grammar(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -159,7 +170,7 @@ class Engine:
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         return SampleRequest(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, seq.output_token_ids,
-                             self.model_config.eos_token_ids)
+                             self.model_config.eos_token_ids, seq.grammar)
 
     def _advance(self, chunk: ScheduledChunk) -> None:
         """Counts the chunk's tokens as computed and indexes the blocks it filled in the prefix cache."""
@@ -176,6 +187,8 @@ class Engine:
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         seq.token_ids.append(token.token_id)
         seq.output_logprobs.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token.token_id)
         self.counters.generated_tokens += 1
         seq.status = self._status_after(seq, token.token_id)
         if seq.status.is_finished:
@@ -190,6 +203,8 @@ class Engine:
 
     def _status_after(self, seq: Sequence, token_id: int) -> SequenceStatus:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
@@ -211,6 +226,24 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         params.validate()
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        generated = params.structured.num_generated_prompt_tokens if params.structured else 0
+        if generated >= len(prompt_token_ids):
+            raise ValueError(f"structured.num_generated_prompt_tokens must be below the prompt's {len(prompt_token_ids)} "
+                             f"tokens, got {generated}")
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """The sequence's grammar matcher, advanced past every token generated under it so far (a
+        migrated continuation's prompt tail, the first token a decode worker receives)."""
+        structured = seq.params.structured
+        if structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("this engine has no tokenizer to compile grammars with; structured outputs need one")
+        start = seq.num_prompt_tokens - structured.num_generated_prompt_tokens
+        seq.grammar = self.grammars.matcher(structured, seq.token_ids[start:])
 
     # -- the KV hand-off (services/runtime/kv_handoff.py) ----------------------------------
 
@@ -226,6 +259,7 @@ class Engine:
         """A sequence whose KV is already in its blocks (imported) decodes from the next step on."""
         if seq.request_id in self._requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self._attach_grammar(seq)
         self._requests[seq.request_id] = seq
         self.scheduler.add_running(seq)
 

@@ -1,7 +1,8 @@
 """Sampling: the per-request SamplingParams and the Sampler that turns logits into next tokens.
 
-Per row: penalties -> min_tokens mask -> argmax when greedy, else temperature -> top-k -> top-p
--> min-p -> a draw. The draw is a pure function of (seed, position, logits), so any worker that
+Per row: penalties -> logit_bias -> min_tokens mask -> grammar mask -> argmax when greedy, else
+temperature -> top-k -> top-p -> min-p -> a draw. Rows without a bias, a mask or penalties keep
+the model's logits bit for bit. The draw is a pure function of (seed, position, logits), so any worker that
 samples a request's token at a position draws the same one.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: F401 (re-exported)
+from services.runtime.grammar import GrammarMatcher, grammar_mask
 
 _TOP_P_CANDIDATES = 128  # first guess at how many tokens a top-p cut keeps
 _MASK64 = (1 << 64) - 1
@@ -25,7 +27,8 @@ class SampleRequest:
     """One row of a batch to sample.
 
     `position` is the index, in the whole sequence, of the token being sampled. `eos_token_ids`
-    are masked with `stop_token_ids` until `min_tokens` are out (unless `ignore_eos`).
+    are masked with `stop_token_ids` until `min_tokens` are out (unless `ignore_eos`). A `grammar`
+    masks every token it does not allow.
     """
 
     params: SamplingParams
@@ -34,6 +37,7 @@ class SampleRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -113,10 +117,13 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def _adjusted_logits(raw: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-    """Penalties and the min_tokens mask on a copy; `raw` stays as it is for the logprobs."""
+    """Penalties, logit_bias, the min_tokens mask and grammar masks on a copy; `raw` stays as it is
+    for the logprobs."""
     penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
     masked = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
-    if not penalized and not masked:
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not penalized and not biased and not masked and not constrained:
         return raw
     adjusted = raw.clone()
     if penalized:
@@ -124,9 +131,27 @@ def _adjusted_logits(raw: torch.Tensor, requests: list[SampleRequest]) -> torch.
         rows = adjusted[index]
         apply_penalties(rows, [requests[i] for i in penalized])
         adjusted[index] = rows
+    for i in biased:
+        _add_logit_bias(adjusted[i], requests[i].params)
     for i in masked:
         _mask_stop_tokens(adjusted[i], requests[i])
+    if constrained:
+        _mask_by_grammar(adjusted, [requests[i] for i in constrained], _index(constrained, raw.device))
     return adjusted
+
+
+def _add_logit_bias(row: torch.Tensor, params: SamplingParams) -> None:
+    """Add each clamped bias to its token's logit (ids were checked against the vocabulary on admission)."""
+    ids, biases = zip(*params.clamped_logit_bias)
+    row[torch.tensor(ids, dtype=torch.long, device=row.device)] += torch.tensor(biases, dtype=row.dtype,
+                                                                                device=row.device)
+
+
+def _mask_by_grammar(logits: torch.Tensor, requests: list[SampleRequest], index: torch.Tensor) -> None:
+    """Set the logits of the tokens each row's grammar does not allow to -inf."""
+    eos = requests[0].eos_token_ids
+    allowed = grammar_mask([r.grammar for r in requests], logits.shape[1], eos, logits.device)  # type: ignore[misc]
+    logits[index] = logits[index].masked_fill(~allowed, -math.inf)
 
 
 def _mask_stop_tokens(row: torch.Tensor, request: SampleRequest) -> None:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.common.block_hash import BlockHash
+from services.runtime.grammar import GrammarMatcher
 from services.runtime.sampler import SampledToken, SamplingParams
 
 
@@ -58,6 +59,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    grammar: GrammarMatcher | None = None  # set by the engine when params.structured is
 
     def __post_init__(self) -> None:
         if not self.token_ids:
