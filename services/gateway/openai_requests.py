@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from services.common.errors import InvalidRequest
 from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput
 from services.gateway.request import GenerationRequest
+from services.gateway.structured_requests import ResponseFormat, StructuredFields
 
 
 class _Body(BaseModel):
@@ -28,7 +30,7 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-class _GenerationBody(_Body):
+class _GenerationBody(StructuredFields, _Body):
     """Fields both endpoints share. None means "not sent": the SamplingParams default applies."""
 
     model: str = ""
@@ -91,7 +93,11 @@ class _GenerationBody(_Body):
         values = {name: value for name, value in sent.items() if value is not None}
         return SamplingParams(**{"max_tokens": default_max_tokens, **values},
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, structured=self._structured(),
+                              logit_bias=self.logit_bias_pairs())
+
+    def _structured(self) -> StructuredOutput | None:
+        return self.structured_output()
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -153,6 +159,7 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
     def generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
         request = super().generation_request(request_id, default_salt, default_max_tokens)
@@ -165,6 +172,9 @@ class ChatCompletionRequest(_GenerationBody):
         if field_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return "top_logprobs" if field_name == "logprobs" else field_name
+
+    def _structured(self) -> StructuredOutput | None:
+        return self.structured_output_with(self.response_format)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -137,6 +137,7 @@ def _check_sampling(request: GenerationRequest, model: ServedModel, limits: Requ
         field, _, problem = str(exc).partition(" ")
         raise InvalidRequest(field, problem) from None
     _check_token_ids("stop_token_ids", list(stop_token_ids), model, allow_empty=True)
+    _check_token_ids("logit_bias", [token_id for token_id, _ in request.sampling.logit_bias], model, allow_empty=True)
 
 
 def _check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
