@@ -42,6 +42,8 @@ def continuation(request: scheduler_pb2.SubmitRequest, delivered: Sequence[int],
     limit = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     sampling.max_tokens = limit - len(delivered)
     sampling.min_tokens = max(0, sampling.min_tokens - len(delivered))
+    if sampling.HasField("structured"):  # the worker's grammar starts after the delivered tokens
+        sampling.structured.num_generated_prompt_tokens += len(delivered)
     return moved
 
 

@@ -112,3 +112,16 @@ def test_the_gateway_side_stays_torch_free():
     code = ("import sys, services.gateway.openai_requests, services.common.structured_output; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_a_continuation_tells_the_worker_how_many_prompt_tokens_the_grammar_has_seen():
+    from services.scheduler.migration import continuation
+    from tandem.v1 import common_pb2, scheduler_pb2
+
+    request = scheduler_pb2.SubmitRequest(request_id="r", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
+        max_tokens=10, structured=common_pb2.StructuredOutput(regex="[a-z]+")))
+    moved = continuation(request, [7, 8], "r#migrated-1")
+    assert list(moved.token_ids) == [1, 2, 3, 7, 8]
+    assert moved.sampling.structured.num_generated_prompt_tokens == 2
+    assert not continuation(scheduler_pb2.SubmitRequest(request_id="p", token_ids=[1]), [7], "p#1").sampling.HasField(
+        "structured")
