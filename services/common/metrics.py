@@ -83,6 +83,9 @@ class ServiceMetrics:
         self.num_preemptions = counter("tandem:num_preemptions_total", "Sequences preempted for lack of KV blocks.")
         self.num_migrations = counter(
             "tandem:num_migrations_total", "Requests moved to another worker after theirs was lost.")
+        self.model_loads = counter("tandem:model_loads_total", "Models loaded onto this worker (cold starts).")
+        self.model_load_time = histogram(
+            "tandem:model_load_seconds", "Time to load a model onto this worker.", REQUEST_BUCKETS)
         self.kv_transfer_bytes = counter("tandem:kv_transfer_bytes_total", "KV cache bytes transferred.")
         self.request_prompt_tokens = histogram(
             "tandem:request_prompt_tokens", "Prompt tokens of each finished or aborted request.", TOKEN_BUCKETS)

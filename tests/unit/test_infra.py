@@ -353,3 +353,70 @@ def test_build_context_leaves_secrets_and_the_venv_out() -> None:
     rules = [line for line in lines if line and not line.startswith("#")]
     assert rules[0] == "*"  # an allowlist: nothing enters the build context unless named
     assert {rule for rule in rules if rule.startswith("!")} == {"!pyproject.toml", "!README.md", "!tandem/", "!services/"}
+
+
+# --- Monitoring: Prometheus and Grafana ---------------------------------------------------------
+
+MONITORING = INFRA / "docker-compose.monitoring.yml"
+DASHBOARD = INFRA / "grafana" / "tandem.json"
+METRIC = re.compile(r"tandem:[a-z_:]+")
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric families the dashboard queries (histogram series named by their family)."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    names = {name for panel in panels for target in panel["targets"] for name in METRIC.findall(target["expr"])}
+    return {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
+
+
+def test_monitoring_override_is_the_generators_output() -> None:
+    assert MONITORING.read_text() == deploy.render_monitoring(Topology(1, 1)), (
+        "docker-compose.monitoring.yml differs from the generator: run "
+        "`tandem deploy compose --monitoring -o infra/docker-compose.monitoring.yml`")
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)
+def test_prometheus_scrapes_every_service_and_grafana_gets_the_dashboard(topology: Topology, validator: Any) -> None:
+    base, override = load(deploy.render_compose(topology)), load(deploy.render_monitoring(topology))
+    assert schema_errors(validator, override) == []
+    merged = merge(base, override)
+    assert schema_errors(validator, merged) == []
+    prometheus = yaml.safe_load(merged["configs"]["prometheus"]["content"])
+    (job,) = prometheus["scrape_configs"]
+    (targets,) = [c["targets"] for c in job["static_configs"]]
+    expected = []
+    for name, service in tandem_services(base).items():
+        command = service["command"]
+        if "--metrics-port" in command:
+            expected.append(f"{name}:{flag(command, '--metrics-port')}")
+        elif command[0] == "gateway":
+            expected.append(f"{name}:{flag(command, '--http-port')}")
+    assert sorted(targets) == sorted(expected) and len(expected) == topology.num_gpus + 2
+    grafana = merged["services"]["grafana"]
+    assert merged["configs"]["grafana-dashboard"] == {"file": "grafana/tandem.json"}
+    assert (INFRA / merged["configs"]["grafana-dashboard"]["file"]).is_file()
+    dashboard_target = next(c["target"] for c in grafana["configs"] if c["source"] == "grafana-dashboard")
+    provider = yaml.safe_load(merged["configs"]["grafana-dashboards"]["content"])["providers"][0]
+    assert dashboard_target == provider["options"]["path"] + "/tandem.json"
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"] and "public" not in merged["services"]["prometheus"]["networks"]
+
+
+def test_the_dashboard_queries_only_metrics_tandem_defines() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.common.metrics import ServiceMetrics, render_metrics
+
+    body, _ = render_metrics(ServiceMetrics("m", "w").registry)
+    defined = {family.name for family in text_string_to_metric_families(body.decode())}
+    defined |= {f"{name}_total" for name in defined}  # the parser names counters without _total
+    queried = dashboard_metrics()
+    assert queried - defined == set()
+    panels = {panel["title"] for panel in json.loads(DASHBOARD.read_text())["panels"]}
+    for topic in ("Time to first token", "Inter-token latency", "Throughput", "Queue", "KV cache usage",
+                  "Prefix cache hit rate", "KV transfers", "Cold starts"):
+        assert any(title.startswith(topic) for title in panels), topic
+
+
+def test_deploy_compose_monitoring_and_cpu_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert deploy.main(_parser().parse_args(["compose", "--cpu", "--monitoring"])) == 2
+    assert capsys.readouterr().err == "tandem deploy compose: --cpu and --monitoring write different files; give one\n"

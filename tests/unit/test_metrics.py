@@ -23,6 +23,8 @@ EXPECTED_FAMILIES = {
     "tandem:prefix_cache_hits_total": "counter",
     "tandem:num_preemptions_total": "counter",
     "tandem:num_migrations_total": "counter",
+    "tandem:model_loads_total": "counter",
+    "tandem:model_load_seconds": "histogram",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:request_prompt_tokens": "histogram",
