@@ -52,6 +52,7 @@ class Attr:
     TTFT_S = "tandem.ttft_s"  # time to first token, from the span's start
     ITL_MEAN_S = "tandem.itl.mean_s"  # mean inter-token gap
     ITL_MAX_S = "tandem.itl.max_s"  # largest inter-token gap
+    TOKEN_ARRIVALS_MS = "tandem.token_arrivals_ms"  # each output token's arrival, ms after the span's start
     MIGRATION_FROM = "tandem.migration.from_worker"  # the generating worker of the attempt that ended
     MIGRATION_OFFSET = "tandem.migration.output_offset"  # tokens delivered before the continuation
 

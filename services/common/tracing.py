@@ -270,6 +270,7 @@ class TokenTimings:
     last_token_ns: int | None = None
     num_tokens: int = 0
     max_gap_ns: int = 0
+    arrivals_ns: list[int] = field(default_factory=list)  # one per token, so a trace can mark each
 
     def record(self, num_tokens: int = 1, now_ns: int | None = None) -> float | None:
         """Note `num_tokens` arriving now. Returns the gap since the previous arrival in seconds
@@ -282,6 +283,7 @@ class TokenTimings:
             self.max_gap_ns = max(self.max_gap_ns, now - previous)
         self.last_token_ns = now
         self.num_tokens += num_tokens
+        self.arrivals_ns += [now] * num_tokens
         return None if previous is None else (now - previous) / 1e9
 
     @property
@@ -299,9 +301,12 @@ class TokenTimings:
     def max_itl_s(self) -> float | None:
         return self.max_gap_ns / 1e9 if self.num_tokens >= 2 else None
 
-    def attributes(self) -> dict[str, float]:
+    def attributes(self) -> dict[str, float | list[float]]:
         values = {Attr.TTFT_S: self.ttft_s, Attr.ITL_MEAN_S: self.mean_itl_s, Attr.ITL_MAX_S: self.max_itl_s}
-        return {key: value for key, value in values.items() if value is not None}
+        attributes: dict[str, float | list[float]] = {k: v for k, v in values.items() if v is not None}
+        if self.arrivals_ns:
+            attributes[Attr.TOKEN_ARRIVALS_MS] = [round((t - self.start_ns) / 1e6, 3) for t in self.arrivals_ns]
+        return attributes
 
     def annotate(self, span: trace.Span) -> None:
         """Set the aggregates as attributes and a `first_token` event at its time."""

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from services.common.spans import Attr, Event, SpanRecord, SpanStart
+from services.common.spans import Attr, Event, SpanName, SpanRecord, SpanStart
 
-_HIDDEN_ATTRS = {Attr.REQUEST_ID}
+_HIDDEN_ATTRS = {Attr.REQUEST_ID, Attr.TOKEN_ARRIVALS_MS}  # the arrivals are drawn as ticks
 _MAX_VALUE_CHARS = 80
 
 
@@ -149,6 +149,57 @@ def _ttft_s(root: SpanRecord) -> float | None:
     return (first.time_ns - root.start_ns) / 1e9 if first else None
 
 
+@dataclass(slots=True, frozen=True)
+class Phase:
+    """One stretch of the road to the first token, on the request's time axis (Unix ns)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+def ttft_phases(spans: Iterable[SpanRecord]) -> list[Phase]:
+    """Where the time to first token went, in order: the gateway before the scheduler's queue, the
+    queue, routing, prefill (until its first token), the KV transfer, and the decode worker's first
+    step (from the KV's arrival to its first token). A phase whose spans are missing is left out; a
+    colocated worker has no transfer and its prefill ends at its first token."""
+    by_name: dict[str, SpanRecord] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        by_name.setdefault(span.name, span)
+    root, queue = by_name.get(SpanName.GATEWAY), by_name.get(SpanName.SCHEDULER_QUEUE)
+    route = by_name.get(SpanName.SCHEDULER_ROUTE)
+    prefill = by_name.get(SpanName.PREFILL) or by_name.get(SpanName.COLOCATED)
+    sent, received = by_name.get(SpanName.KV_SEND), by_name.get(SpanName.KV_RECEIVE)
+    decode = by_name.get(SpanName.DECODE)
+    phases = []
+    if root and queue:
+        phases.append(Phase("gateway", root.start_ns, queue.start_ns))
+    for name, span in (("queue", queue), ("routing", route)):
+        if span:
+            phases.append(Phase(name, span.start_ns, span.end_ns))
+    if prefill:
+        phases.append(Phase("prefill", prefill.start_ns, _first_token_ns(prefill) or prefill.end_ns))
+    if sent:
+        phases.append(Phase("transfer", sent.start_ns, received.end_ns if received else sent.end_ns))
+    if decode and (first := _first_token_ns(decode)):
+        phases.append(Phase("first decode step", received.end_ns if received else decode.start_ns, first))
+    return phases
+
+
+def _first_token_ns(span: SpanRecord) -> int | None:
+    return next((e.time_ns for e in span.events if e.name == Event.FIRST_TOKEN), None)
+
+
+def token_arrivals_ns(span: SpanRecord) -> list[int]:
+    """Each output token's arrival on `span` (the gateway's: when the client got it), Unix ns."""
+    offsets = span.attributes.get(Attr.TOKEN_ARRIVALS_MS) or []
+    return [span.start_ns + round(float(ms) * 1e6) for ms in offsets]
+
+
 def render_requests(summaries: list[RequestSummary]) -> str:
     """The `--last N` table."""
     rows = [("STARTED", "REQUEST ID", "TTFT", "IN", "OUT", "TOTAL", "FINISH", "STATUS")]
@@ -200,10 +251,35 @@ def render_text(request_id: str, roots: list[SpanNode], bar_width: int = 40, col
         flag = f"  ! {span.status_message or 'error'}" if span.status == "ERROR" else ""
         lines.append(f"{label}  {_service(span).ljust(service_width)}  {_ms((span.start_ns - t0) / 1e9):>9}  "
                      f"{_ms(span.duration_ns / 1e9):>9}  |{bar}|{flag}")
+        arrivals = token_arrivals_ns(span)
+        if arrivals:
+            label = ("  " * (depth + 1) + f"tokens ({len(arrivals)})")[:name_width].ljust(name_width)
+            lines.append(f"{label}  {''.ljust(service_width)}  {_ms((arrivals[0] - t0) / 1e9):>9}  "
+                         f"{_ms((arrivals[-1] - arrivals[0]) / 1e9):>9}  |{_marks(arrivals, t0, total, bar_width)}|")
         details = _details(span, t0)
         if details:
             lines.append(" " * (2 * depth + 4) + details)
+    phases = ttft_phases(n.span for _, n in rows)
+    if phases:
+        lines.append(_ttft_heading(rows, t0))
+        for phase in phases:
+            bar = _bar(phase.start_ns - t0, phase.end_ns - t0, total, bar_width)
+            lines.append(f"{('  ' + phase.name).ljust(name_width)}  {''.ljust(service_width)}  "
+                         f"{_ms((phase.start_ns - t0) / 1e9):>9}  {_ms(phase.duration_ns / 1e9):>9}  |{bar}|")
     return "\n".join(lines)
+
+
+def _ttft_heading(rows: list[tuple[int, SpanNode]], t0: int) -> str:
+    root = rows[0][1].span
+    ttft = _ttft_s(root) if root.name == SpanName.GATEWAY else None
+    at = f": the client's first token at {_ms(ttft)}" if ttft is not None else ""
+    return f"where the time to first token went{at}"
+
+
+def _marks(arrivals: list[int], t0: int, total: int, width: int) -> str:
+    """A tick in each column of the time axis where a token arrived."""
+    columns = {min(int((t - t0) / total * width), width - 1) for t in arrivals}
+    return "".join("╵" if i in columns else " " for i in range(width))
 
 
 def _time_range(rows: list[tuple[int, SpanNode]]) -> tuple[int, int]:
@@ -251,8 +327,12 @@ def _value(value: Any) -> str:
 
 def render_json(request_id: str, roots: list[SpanNode], gaps: Gaps = Gaps()) -> str:
     """`complete` is false while the trace has gaps, and `missing` says which."""
+    spans = [node.span for _, node in walk(roots)]
+    t0 = min((s.start_ns for s in spans), default=0)
+    phases = [{"phase": p.name, "start_ms": (p.start_ns - t0) / 1e6, "duration_ms": p.duration_ns / 1e6}
+              for p in ttft_phases(spans)]
     document = {"request_id": request_id, "complete": gaps.complete, "missing": gaps.describe(),
-                "spans": tree_to_json(roots)}
+                "ttft_phases": phases, "spans": tree_to_json(roots)}
     return json.dumps(document, indent=2)
 
 
@@ -262,6 +342,10 @@ def render_html(request_id: str, roots: list[SpanNode], gaps: Gaps = Gaps()) -> 
     t0, t1 = _time_range(rows)
     total = max(t1 - t0, 1)
     body = "\n".join(_html_row(depth, node.span, t0, total) for depth, node in rows)
+    phases = ttft_phases(node.span for _, node in rows)
+    if phases:
+        body += '\n<div class="row head"><div>where the time to first token went</div></div>\n'
+        body += "\n".join(_html_phase(phase, t0, total) for phase in phases)
     incomplete = "" if gaps.complete else f" (INCOMPLETE: {gaps.describe()})"
     title = html.escape(f"Tandem trace {request_id}{incomplete}")
     return _HTML_PAGE.format(title=title, total=_ms(total / 1e9), count=len(rows), rows=body)
@@ -277,8 +361,24 @@ def _html_row(depth: int, span: SpanRecord, t0: int, total: int) -> str:
         f"{html.escape(span.name)}</div><div class=\"svc\">{html.escape(_service(span))}</div>"
         f'<div class="num">{_ms((span.start_ns - t0) / 1e9)}</div><div class="num">{_ms(span.duration_ns / 1e9)}</div>'
         f'<div class="track"><div class="bar" style="left:{left:.3f}%;width:{width:.3f}%;'
-        f'background:hsl({hue},60%,55%)" title="{html.escape(span.name)}"></div></div>'
+        f'background:hsl({hue},60%,55%)" title="{html.escape(span.name)}"></div>{_html_ticks(span, t0, total)}</div>'
         f'<div class="attrs">{html.escape(_details(span, t0))}</div></div>'
+    )
+
+
+def _html_ticks(span: SpanRecord, t0: int, total: int) -> str:
+    return "".join(f'<div class="tick" style="left:{(t - t0) / total * 100:.3f}%"></div>'
+                   for t in token_arrivals_ns(span))
+
+
+def _html_phase(phase: Phase, t0: int, total: int) -> str:
+    left = (phase.start_ns - t0) / total * 100
+    width = max(phase.duration_ns / total * 100, 0.3)
+    return (
+        f'<div class="row phase"><div class="name">{html.escape(phase.name)}</div><div class="svc"></div>'
+        f'<div class="num">{_ms((phase.start_ns - t0) / 1e9)}</div><div class="num">{_ms(phase.duration_ns / 1e9)}</div>'
+        f'<div class="track"><div class="bar" style="left:{left:.3f}%;width:{width:.3f}%;background:#888"></div>'
+        f"</div></div>"
     )
 
 
@@ -294,6 +394,8 @@ h1 {{ font-size: 15px; }}
 .num {{ text-align: right; }}
 .track {{ position: relative; background: #f6f6f6; height: 1.1em; align-self: center; }}
 .bar {{ position: absolute; top: 0; bottom: 0; border-radius: 2px; }}
+.tick {{ position: absolute; top: -2px; bottom: -2px; width: 1px; background: #000; }}
+.row.phase .name {{ padding-left: 1.2em; font-style: italic; }}
 .attrs {{ grid-column: 1 / -1; color: #777; font-size: 11px; padding-left: 2em; word-break: break-all; }}
 .attrs:empty {{ display: none; }}
 </style></head><body>

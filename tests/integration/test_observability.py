@@ -190,7 +190,7 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
     assert {s.instance for s in spans if s.service == "decode"} == {decode_address}
 
     root = one(spans, SpanName.GATEWAY)
-    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S)  # measured: checked below
+    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S, Attr.TOKEN_ARRIVALS_MS)  # measured: checked below
     assert {k: v for k, v in root.attributes.items() if k not in timings} == {
         Attr.REQUEST_ID: "obs-one",
         Attr.GEN_AI_OPERATION_NAME: "text_completion",
@@ -202,6 +202,9 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
         Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"],
         Attr.GEN_AI_USAGE_INPUT_TOKENS: 40,
         Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 6,
+        "gen_ai.provider.name": "tandem",
+        "gen_ai.response.model": model_name,
+        "gen_ai.response.id": "obs-one",
     }
     (first_token,) = root.events
     assert first_token.name == Event.FIRST_TOKEN
@@ -536,7 +539,7 @@ def test_a_colocated_worker_traces_its_prefill_iterations_and_decode(tmp_path, d
     assert iterations(spans) == [(32, 0, 1), (8, 0, 1)]
 
     worker = one(spans, SpanName.COLOCATED)
-    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S)
+    timings = (Attr.TTFT_S, Attr.ITL_MEAN_S, Attr.ITL_MAX_S, Attr.TOKEN_ARRIVALS_MS)
     assert {k: v for k, v in worker.attributes.items() if k not in timings} == {
         Attr.REQUEST_ID: "obs-colocated",
         Attr.PREFILL_TOKENS_COMPUTED: 40,
@@ -560,3 +563,16 @@ def test_a_colocated_worker_traces_its_prefill_iterations_and_decode(tmp_path, d
     warm_worker = one(warm, SpanName.COLOCATED).attributes
     assert (warm_worker[Attr.PREFILL_TOKENS_COMPUTED], warm_worker[Attr.PREFILL_TOKENS_CACHED],
             warm_worker[Attr.DECODE_ITERATIONS], warm_worker[Attr.GEN_AI_USAGE_OUTPUT_TOKENS]) == (8, 32, 1, 2)
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_served(mesh):
+    """infra/grafana/tandem.json queries only series that a live mesh's /metrics endpoints serve."""
+    from tests.unit.test_infra import dashboard_metrics
+
+    generate(mesh, request(prompt_of(24, 40), 3, "obs-dashboard"))  # finish reasons appear once counted
+    mesh.wait_idle(DEADLINE_S)
+    served = set()
+    for name in ("gateway", "scheduler", "prefill-0", "decode-0"):
+        served |= {re.sub(r"_(bucket|sum|count)$", "", sample) for sample, _ in scrape(mesh.endpoint(name, "metrics").address)}
+    queried = dashboard_metrics()
+    assert len(queried) >= 15 and queried - served == set()

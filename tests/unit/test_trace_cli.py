@@ -36,13 +36,22 @@ def _span(span_id: int, parent: int | None, name: str, service: str, start_ms: i
                       attributes={**attrs, **attributes}, kind="server" if parent in (None, 1) else "internal")
 
 
+# The gateway's 20 tokens: the first at 120 ms, then every 10 ms, with a stall of 100 ms before the 11th.
+TOKEN_ARRIVALS_MS = [120.0 + 10 * i for i in range(10)] + [310.0 + 10 * i for i in range(10)]
+
+
 def _request_7() -> list[SpanRecord]:
     """One request through gateway, scheduler, prefill (two chunks) and decode."""
     root = _span(1, None, SpanName.GATEWAY, "gateway", 0, 400, **{
         Attr.GEN_AI_OPERATION_NAME: "chat", Attr.GEN_AI_REQUEST_MODEL: "SmolLM2-135M-Instruct",
         Attr.GEN_AI_USAGE_INPUT_TOKENS: 28, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 20,
-        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"], Attr.TTFT_S: 0.12, Attr.ITL_MAX_S: 0.031})
+        Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"], Attr.TTFT_S: 0.12, Attr.ITL_MAX_S: 0.031,
+        Attr.TOKEN_ARRIVALS_MS: TOKEN_ARRIVALS_MS})
     root.events = [SpanEvent("first_token", T0 + 120 * MS)]
+    prefill = _span(5, 2, SpanName.PREFILL, "prefill", 10, 130, instance=PREFILL)
+    prefill.events = [SpanEvent("first_token", T0 + 111 * MS)]
+    decode = _span(11, 2, SpanName.DECODE, "decode", 128, 395, instance=DECODE, **{Attr.DECODE_ITERATIONS: 19})
+    decode.events = [SpanEvent("first_token", T0 + 135 * MS)]
     return [
         root,
         _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 2, 398),
@@ -50,7 +59,7 @@ def _request_7() -> list[SpanRecord]:
         _span(4, 2, SpanName.SCHEDULER_ROUTE, "scheduler", 8, 9, **{
             Attr.ROUTE_PREFILL_WORKER: PREFILL, Attr.ROUTE_DECODE_WORKER: DECODE,
             Attr.ROUTE_SCORES: json.dumps({PREFILL: {"cached_tokens": 16, "queued_tokens": 0}})}),
-        _span(5, 2, SpanName.PREFILL, "prefill", 10, 130, instance=PREFILL),
+        prefill,
         _span(6, 5, SpanName.PREFILL_ITERATION, "prefill", 11, 60, instance=PREFILL, **{
             Attr.PREFILL_TOKENS_COMPUTED: 8, Attr.PREFILL_TOKENS_CACHED: 16, Attr.BATCH_SIZE: 2}),
         _span(7, 5, SpanName.PREFILL_ITERATION, "prefill", 60, 110, instance=PREFILL, **{
@@ -61,7 +70,7 @@ def _request_7() -> list[SpanRecord]:
             Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30}),
         # Spans are selected by trace, so one that lacks the request id still belongs.
         _span(10, 2, SpanName.RELAY, "scheduler", 120, 398, request_id=None),
-        _span(11, 2, SpanName.DECODE, "decode", 128, 395, instance=DECODE, **{Attr.DECODE_ITERATIONS: 19}),
+        decode,
     ]
 
 
@@ -139,7 +148,7 @@ def test_text_waterfall_shows_every_hop_in_order(run_dir: Path, capsys: pytest.C
     assert lines[first_chunk + 1].split() == ["prefill.tokens_computed=8", "prefill.tokens_cached=16", "batch_size=2"]
     root_row = lines[2]
     assert root_row.endswith("|" + "█" * 40 + "|")
-    assert "first_token@120.0ms" in lines[3]
+    assert "first_token@120.0ms" in lines[4] and "token_arrivals" not in out
     assert "skipped 1 malformed line(s)" in err
 
 
@@ -169,7 +178,7 @@ def test_html_page_is_written_and_self_contained(run_dir: Path, tmp_path: Path,
     html = page.read_text()
 
     assert code == 0 and f"wrote {page}" in err
-    assert html.startswith("<!DOCTYPE html>") and html.count('<div class="row') == 1 + len(EXPECTED_ROWS)
+    assert html.startswith("<!DOCTYPE html>") and html.count('<div class="row') == 2 + len(EXPECTED_ROWS) + 6
     position = 0
     for _, name in EXPECTED_ROWS:  # index() raises when a row is missing or out of order
         position = html.index(f">{name}</div>", position) + 1
@@ -405,3 +414,25 @@ def test_piped_into_head_it_ends_quietly(tmp_path: Path) -> None:
     first, status = done.stdout.splitlines()
     assert first.split()[:2] == ["STARTED", "REQUEST"]
     assert status == "status 141"
+
+
+def test_waterfall_breaks_ttft_down_and_marks_each_token(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "req-7", "--run-dir", str(run_dir))
+    assert code == 0
+    lines = out.splitlines()
+    # 40 columns of 10 ms: ticks where tokens arrived (12..21, then 31..39 after the stall; 400 ms is the last)
+    tokens = lines[3]
+    assert tokens.split("|")[0].split() == ["tokens", "(20)", "120.0ms", "280.0ms"]
+    assert tokens.split("|")[1] == " " * 12 + "╵" * 10 + " " * 9 + "╵" * 9
+    start = lines.index("where the time to first token went: the client's first token at 120.0ms")
+    phases = [line.split("|")[0].rsplit(None, 2) for line in lines[start + 1:]]
+    assert [(name.strip(), begin, duration) for name, begin, duration in phases] == [
+        ("gateway", "0.0ms", "3.0ms"), ("queue", "3.0ms", "5.0ms"), ("routing", "8.0ms", "1.0ms"),
+        ("prefill", "10.0ms", "101.0ms"), ("transfer", "112.0ms", "15.0ms"), ("first decode step", "127.0ms", "8.0ms")]
+
+
+def test_json_carries_the_ttft_phases(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = _run(capsys, "req-7", "--run-dir", str(run_dir), "--format", "json")
+    assert [(p["phase"], p["start_ms"], p["duration_ms"]) for p in json.loads(out)["ttft_phases"]] == [
+        ("gateway", 0.0, 3.0), ("queue", 3.0, 5.0), ("routing", 8.0, 1.0), ("prefill", 10.0, 101.0),
+        ("transfer", 112.0, 15.0), ("first decode step", 127.0, 8.0)]

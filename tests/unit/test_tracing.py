@@ -154,7 +154,8 @@ def test_token_timings_aggregate_instead_of_per_token_spans() -> None:
     (finished,) = exporter.get_finished_spans()
     assert gaps == [None, 0.02, 0.06, 0.01]
     assert timings.num_tokens == 5
-    assert dict(finished.attributes or {}) == {Attr.TTFT_S: 0.15, Attr.ITL_MEAN_S: 0.0225, Attr.ITL_MAX_S: 0.06}
+    assert dict(finished.attributes or {}) == {Attr.TTFT_S: 0.15, Attr.ITL_MEAN_S: 0.0225, Attr.ITL_MAX_S: 0.06,
+                                               Attr.TOKEN_ARRIVALS_MS: (150.0, 170.0, 230.0, 240.0, 240.0)}
     assert [(e.name, e.timestamp) for e in finished.events] == [(Event.FIRST_TOKEN, 1_150_000_000)]
     provider.shutdown()
 
