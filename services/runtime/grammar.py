@@ -100,18 +100,17 @@ class GrammarCompiler:
         return self._tokenizer
 
 
-def grammar_mask(matchers: list[GrammarMatcher], vocab_size: int, eos_token_ids: Sequence[int],
-                 device: torch.device) -> torch.Tensor:
-    """Allowed tokens [len(matchers), vocab_size] as booleans, one row per matcher. A row that
-    allows nothing (a matcher in an error state) allows EOS, so the request ends instead of drawing
-    from an empty distribution."""
+def disallowed_tokens(matchers: list[GrammarMatcher], vocab_size: int,
+                      eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Tokens each matcher forbids next, as booleans [len(matchers), vocab_size]. A row that allows
+    nothing (a matcher in an error state) allows EOS, so the request ends instead of drawing from
+    an empty distribution."""
     bitmask = llnp.allocate_token_bitmask(len(matchers), vocab_size)
     for row, matcher in enumerate(matchers):
         matcher.fill_mask(bitmask, row)
-    words = torch.from_numpy(bitmask).to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(matchers), -1)[:, :vocab_size]
-    empty = ~allowed.any(dim=-1)
-    if bool(empty.any()) and eos_token_ids:
-        allowed[empty.nonzero().squeeze(1).unsqueeze(1), torch.tensor(list(eos_token_ids), device=device)] = True
-    return allowed
+    words = bitmask.view(np.uint32)  # bit t % 32 of word t // 32 is token t
+    for row in np.flatnonzero(~words.any(axis=1)):
+        for token_id in eos_token_ids:
+            words[row, token_id // 32] |= np.uint32(1 << (token_id % 32))
+    bits = np.unpackbits((~words).view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)

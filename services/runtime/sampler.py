@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: F401 (re-exported)
-from services.runtime.grammar import GrammarMatcher, grammar_mask
+from services.runtime.grammar import GrammarMatcher, disallowed_tokens
 
 _TOP_P_CANDIDATES = 128  # first guess at how many tokens a top-p cut keeps
 _MASK64 = (1 << 64) - 1
@@ -136,7 +136,7 @@ def _adjusted_logits(raw: torch.Tensor, requests: list[SampleRequest]) -> torch.
     for i in masked:
         _mask_stop_tokens(adjusted[i], requests[i])
     if constrained:
-        _mask_by_grammar(adjusted, [requests[i] for i in constrained], _index(constrained, raw.device))
+        _mask_by_grammar(adjusted, requests, constrained)
     return adjusted
 
 
@@ -147,11 +147,12 @@ def _add_logit_bias(row: torch.Tensor, params: SamplingParams) -> None:
                                                                                 device=row.device)
 
 
-def _mask_by_grammar(logits: torch.Tensor, requests: list[SampleRequest], index: torch.Tensor) -> None:
-    """Set the logits of the tokens each row's grammar does not allow to -inf."""
-    eos = requests[0].eos_token_ids
-    allowed = grammar_mask([r.grammar for r in requests], logits.shape[1], eos, logits.device)  # type: ignore[misc]
-    logits[index] = logits[index].masked_fill(~allowed, -math.inf)
+def _mask_by_grammar(logits: torch.Tensor, requests: list[SampleRequest], rows: list[int]) -> None:
+    """Set the logits of the tokens each row's grammar does not allow to -inf, in place."""
+    disallowed = disallowed_tokens([requests[i].grammar for i in rows], logits.shape[1],  # type: ignore[misc]
+                                   requests[rows[0]].eos_token_ids).to(logits.device)
+    for mask_row, i in enumerate(rows):
+        logits[i].masked_fill_(disallowed[mask_row], -math.inf)
 
 
 def _mask_stop_tokens(row: torch.Tensor, request: SampleRequest) -> None:
