@@ -125,3 +125,18 @@ def test_a_continuation_tells_the_worker_how_many_prompt_tokens_the_grammar_has_
     assert moved.sampling.structured.num_generated_prompt_tokens == 2
     assert not continuation(scheduler_pb2.SubmitRequest(request_id="p", token_ids=[1]), [7], "p#1").sampling.HasField(
         "structured")
+
+
+@pytest.mark.parametrize("sampling, field, problem", [
+    (SamplingParams(structured=StructuredOutput("json_schema", '{"type": "strin"}')), "structured",
+     "json_schema does not compile: Invalid type: strin"),
+    (SamplingParams(logit_bias=((1000, 1.0),)), "logit_bias", "token id 1000 at index 0 is outside the vocabulary [0, 1000)"),
+])
+def test_the_pipeline_refuses_before_any_worker(sampling, field, problem):
+    from services.gateway.request import GenerationRequest, ServedModel
+    from services.gateway.validation import validate_request
+
+    model = ServedModel(name="smol", max_model_len=100, vocab_size=1000, has_chat_template=True, created=0)
+    with pytest.raises(InvalidRequest) as caught:
+        validate_request(GenerationRequest(sampling=sampling, prompt="x"), model)
+    assert str(caught.value) == f"{field}: {problem}"
