@@ -77,7 +77,8 @@ def _message_elements(path: tuple[int, ...], message: descriptor_pb2.DescriptorP
     for j, field in enumerate(message.field):
         yield (*path, 2, j), f"{message.name}.{field.name}"
     for j, nested in enumerate(message.nested_type):
-        yield from _message_elements((*path, 3, j), nested)
+        if not nested.options.map_entry:  # a map field's entry type is synthetic: its field carries the comment
+            yield from _message_elements((*path, 3, j), nested)
     for j, enum in enumerate(message.enum_type):
         yield from _enum_elements((*path, 4, j), enum)
 
