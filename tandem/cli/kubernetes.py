@@ -36,6 +36,9 @@ PART_OF = {"app.kubernetes.io/part-of": "tandem"}
 UID = 10001  # the images' unprivileged user
 # A worker loads the model before it reports SERVING; the startup probe allows it 10 minutes.
 STARTUP_FAILURES, PROBE_PERIOD = 120, 5
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+ROLES = ("scheduler", "prefill", "decode", "gateway")  # each a Deployment with its own replica count
+SCHEDULER = f"tandem-scheduler:{SCHEDULER_PORT}"
 
 
 class Placement(StrEnum):
@@ -70,12 +73,12 @@ class KubernetesSpec:
     service_monitor: bool = True
 
     def __post_init__(self) -> None:
-        unknown = set(self.replicas) - set(COMPONENTS)
+        unknown = set(self.replicas) - set(ROLES)
         if unknown:
-            raise ValueError(f"replicas: unknown roles {sorted(unknown)}; the roles are {list(COMPONENTS)}")
+            raise ValueError(f"replicas: unknown roles {sorted(unknown)}; the roles are {list(ROLES)}")
         for role, count in self.replicas.items():
-            if count < 1:
-                raise ValueError(f"replicas.{role} must be at least 1, got {count}")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"replicas.{role} must be a whole number, at least 1, got {count!r}")
         if self.replicas.get("scheduler", 1) != 1:
             raise ValueError("replicas.scheduler must be 1: workers register with one scheduler")
         if self.service_type not in SERVICE_TYPES:
@@ -90,6 +93,8 @@ class KubernetesSpec:
             raise ValueError(f"unknown values {sorted(unknown)}; known: {sorted(names)}")
         given = dict(values)
         if "replicas" in given:
+            if not isinstance(given["replicas"], Mapping):
+                raise ValueError(f"replicas must map roles to counts, e.g. {{decode: 2}}; got {given['replicas']!r}")
             given["replicas"] = {**cls().replicas, **given["replicas"]}
         for key, kind in (("profile", Profile), ("placement", Placement)):
             if key in given:
@@ -102,11 +107,6 @@ class KubernetesSpec:
     @property
     def container_image(self) -> str:
         return self.image or f"tandem:{self.profile}"
-
-
-SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-COMPONENTS = ("redis", "scheduler", "prefill", "decode", "gateway")
-SCHEDULER = f"tandem-scheduler:{SCHEDULER_PORT}"
 
 
 # --- Pieces every Tandem container shares ------------------------------------------------------

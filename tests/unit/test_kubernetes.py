@@ -86,7 +86,10 @@ def test_values_file_and_flags_make_one_spec(tmp_path: Path) -> None:
     ("values", "message"),
     [
         ({"replicas": {"prefil": 2}}, "replicas: unknown roles ['prefil']"),
-        ({"replicas": {"decode": 0}}, "replicas.decode must be at least 1, got 0"),
+        ({"replicas": {"decode": 0}}, "replicas.decode must be a whole number, at least 1, got 0"),
+        ({"replicas": {"decode": "two"}}, "replicas.decode must be a whole number, at least 1, got 'two'"),
+        ({"replicas": {"redis": 2}}, "replicas: unknown roles ['redis']"),
+        ({"replicas": 3}, "replicas must map roles to counts"),
         ({"replicas": {"scheduler": 2}}, "replicas.scheduler must be 1"),
         ({"service_type": "Ingress"}, "service_type must be one of"),
         ({"gpus": 2}, "unknown values ['gpus']"),
@@ -103,7 +106,7 @@ def test_a_bad_values_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.Capt
     values = tmp_path / "values.yaml"
     values.write_text("replicas: {decode: 0}\n")
     assert deploy.main(_parser().parse_args(["kubernetes", "--values", str(values)])) == 2
-    assert capsys.readouterr().err == "tandem deploy kubernetes: replicas.decode must be at least 1, got 0\n"
+    assert capsys.readouterr().err == "tandem deploy kubernetes: replicas.decode must be a whole number, at least 1, got 0\n"
 
 
 @pytest.mark.parametrize(("option", "value"), [("--prefill", "0"), ("--gateway", "x"), ("--placement", "near")])
