@@ -36,6 +36,8 @@ from services.worker.transport import ChannelPool
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# (model directory, worker config) -> the engine the worker runs
+EngineFactory = Callable[[Path, "WorkerConfig"], Awaitable[Engine]]
 
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
 SHUTDOWN_GRACE_S = 10.0
@@ -133,33 +135,32 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
     try:
-        auth = internal_auth.auth_from_args(args, spec.name)
-        config = from_args(WorkerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
+        config = worker_config(args, spec)
     except internal_auth.InternalAuthError as exc:
         print(f"tandem {spec.name}: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(run_worker(config, spec))
 
 
+def worker_config(args: argparse.Namespace, spec: RoleSpec) -> WorkerConfig:
+    """The worker's settings from its flags; InternalAuthError when the internal-auth flags are wrong."""
+    auth = internal_auth.auth_from_args(args, spec.name)
+    return from_args(WorkerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
+
+
 async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
     """Serves until SIGTERM/SIGINT or an engine failure; returns the exit status."""
-    stopping = _stop_on_signals()
+    stopping = stop_on_signals()
     channels = ChannelPool(config.internal_token, config.internal_tls)
     loaded: asyncio.Future[WorkerRuntime] = asyncio.get_running_loop().create_future()
-    servicer = spec.make_servicer(config, channels, loaded)
-    server = create_server(config.host, config.port, internal_token=config.internal_token,
-                           max_receive_bytes=spec.max_receive_bytes,
-                           credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
-    for name, register in spec.services:
-        server.add_service(name, register, servicer)
-    await server.start()
+    server = await open_server(config, spec, spec.make_servicer(config, channels, loaded))
     address = config.advertised(server.port)
     log.info("%s worker listening on %s:%d (advertised %s); loading the model", spec.name, config.host,
              server.port, address)
     tracing = setup_tracing(spec.name, instance=address)
     try:
-        starting = asyncio.create_task(_start_runtime(config, spec, loaded, address, channels))
-        if not await _first_done(starting, stopping.wait()):
+        starting = asyncio.create_task(start_runtime(config, spec, loaded, address, channels))
+        if not await first_done(starting, stopping.wait()):
             return 0
         try:
             runtime = starting.result()
@@ -175,7 +176,7 @@ async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
         tracing.shutdown()
 
 
-def _stop_on_signals() -> asyncio.Event:
+def stop_on_signals() -> asyncio.Event:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,7 +184,7 @@ def _stop_on_signals() -> asyncio.Event:
     return stopping
 
 
-async def _first_done(task: asyncio.Task, other: Awaitable[Any]) -> bool:
+async def first_done(task: asyncio.Task, other: Awaitable[Any]) -> bool:
     """Waits for `task` or `other`; True when `task` finished first (else it is cancelled)."""
     waiter = asyncio.ensure_future(other)
     await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -201,7 +202,7 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
     metrics = (start_metrics_server(config.host, config.metrics_port, registry)
                if config.metrics_port and registry else None)
     try:
-        await _first_done(asyncio.create_task(stopping.wait()), runtime.failed.wait())
+        await first_done(asyncio.create_task(stopping.wait()), runtime.failed.wait())
         log.info("stopping: leaving the registry, draining running requests (up to %.0f s)", SHUTDOWN_GRACE_S)
         await server.mark_not_serving()
         await runtime.stop(drain_s=SHUTDOWN_GRACE_S)
@@ -211,10 +212,29 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
     return 1 if runtime.failed.is_set() else 0
 
 
-async def _start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],
-                         address: str, channels: ChannelPool) -> WorkerRuntime:
+async def open_server(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServicerBase) -> GrpcServer:
+    """The role's gRPC server, started (health NOT_SERVING until `mark_serving`)."""
+    server = create_server(config.host, config.port, internal_token=config.internal_token,
+                           max_receive_bytes=spec.max_receive_bytes,
+                           credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
+    for name, register in spec.services:
+        server.add_service(name, register, servicer)
+    await server.start()
+    return server
+
+
+async def load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
+    """The model's engine, loaded in a thread of its own."""
+    return await _in_own_thread(Engine.from_model_dir, model_dir, config.engine_config())
+
+
+async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],
+                        address: str, channels: ChannelPool,
+                        make_engine: EngineFactory = load_engine) -> WorkerRuntime:
+    """Builds the engine (the model's, unless `make_engine` says otherwise: `tandem sim-worker` passes
+    a model-free one), resolves `loaded`, registers with the scheduler and starts the engine thread."""
     model_dir = await asyncio.to_thread(_model_dir, config.model)
-    engine = await _in_own_thread(Engine.from_model_dir, model_dir, config.engine_config())
+    engine = await make_engine(model_dir, config)
     identity = WorkerIdentity(
         worker_id=config.worker_id or f"{spec.name}-{address}",
         role=spec.role,

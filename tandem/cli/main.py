@@ -29,6 +29,7 @@ COMMANDS: dict[str, Command] = {
     "prefill": Command("services.prefill.main", "run a prefill worker"),
     "decode": Command("services.decode.main", "run a decode worker"),
     "colocated": Command("services.colocated.main", "run a worker that both prefills and decodes"),
+    "sim-worker": Command("tandem.cli.sim_worker", "run simulated workers (no model) to measure the control plane"),
     "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
     "model": Command("tandem.cli.model", "manage models: pull the default model, show a model's sizes"),
     "generate": Command("tandem.cli.generate", "generate text in-process with the engine"),

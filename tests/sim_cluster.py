@@ -1,0 +1,142 @@
+"""Harness for tests and bench/control_plane.py: a real scheduler and gateway on loopback with
+simulated workers (`tandem sim-worker`, no model), each a child process with its log in the run
+directory, started tier by tier and stopped together even when a start fails.
+
+Several scheduler replicas are a parameter (`schedulers`) so the bench keeps its shape when the
+gateway and the workers learn to spread over them; today one is supported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from tandem.cli.supervisor import Child, stop_all, wait_ready
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+START_TIMEOUT_S = 120.0
+_WORKER_LINE = re.compile(r"^(?P<id>\S+) grpc (?P<address>\S+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """The simulated workers of one `tandem sim-worker` process."""
+
+    role: str = "colocated"
+    count: int = 1
+    step_ms: float = 5.0
+    kv_blocks: int = 1024
+    max_seqs: int = 64
+    prefill_tokens_per_s: float = 0.0
+
+    def flags(self) -> list[str]:
+        return ["--role", self.role, "--count", str(self.count), "--step-ms", str(self.step_ms),
+                "--kv-blocks", str(self.kv_blocks), "--max-seqs", str(self.max_seqs),
+                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s)]
+
+
+@dataclass
+class SimCluster:
+    """Call order: `start(...)` -> use `scheduler`, `gateway`, `workers` -> `stop()`."""
+
+    run_dir: Path
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    tiers: list[list[Child]] = field(default_factory=list)
+    scheduler: str = ""
+    gateway: str = ""
+    workers: dict[str, str] = field(default_factory=dict)  # worker id -> address
+    children: dict[str, Child] = field(default_factory=dict)  # "scheduler", "gateway", "sim-0", ...
+
+    @classmethod
+    def start(cls, run_dir: Path, sims: list[SimSpec], *, redis_url: str | None = None, schedulers: int = 1,
+              scheduler_flags: tuple[str, ...] = (), model: Path | None = None) -> SimCluster:
+        if schedulers != 1:
+            raise ValueError(f"schedulers={schedulers}: the gateway and the workers reach one scheduler today; "
+                             "several need the replicas of issue 12, part 2")
+        cluster = cls(run_dir)
+        try:
+            cluster._start(sims, redis_url, scheduler_flags, model)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _start(self, sims: list[SimSpec], redis_url: str | None, scheduler_flags: tuple[str, ...],
+               model: Path | None) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        self.scheduler = f"127.0.0.1:{port}"
+        flags = ["--metrics-port", "0", *(["--redis-url", redis_url] if redis_url else []), *scheduler_flags]
+        self._tier([self._service("scheduler", "scheduler", port, flags)])
+        model_flags = ["--model", str(model)] if model else []
+        self._tier([self._sim(f"sim-{i}", spec, model_flags) for i, spec in enumerate(sims)])
+        for name, child in self.children.items():
+            if name.startswith("sim-"):
+                self.workers.update((m["id"], m["address"]) for m in _WORKER_LINE.finditer(child.log_path.read_text()))
+        port, http_port = _free_port(), _free_port()
+        self.gateway = f"127.0.0.1:{port}"
+        self._tier([self._service("gateway", "gateway", port,
+                                  ["--http-port", str(http_port), "--scheduler", self.scheduler, *model_flags])])
+
+    def _service(self, name: str, command: str, port: int, flags: list[str]) -> Child:
+        address = f"127.0.0.1:{port}"
+        return self._child(name, [command, "--port", str(port), *flags], lambda: _serving(address))
+
+    def _sim(self, name: str, spec: SimSpec, model_flags: list[str]) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        argv = ["sim-worker", "--scheduler", self.scheduler, *spec.flags(), *model_flags]
+        return self._child(name, argv, lambda: _printed_ready(log_path))
+
+    def _child(self, name: str, argv: list[str], ready) -> Child:
+        child = Child(name, [sys.executable, "-m", "tandem.cli", *argv], self.run_dir / f"{name}.log", ready)
+        self.children[name] = child
+        return child
+
+    def _tier(self, children: list[Child]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": self.token,
+               "TANDEM_RUN_DIR": str(self.run_dir)}
+        env.pop("TANDEM_REDIS_URL", None)
+        self.tiers.append(children)
+        for child in children:
+            child.start(env)
+        wait_ready(children, START_TIMEOUT_S, threading.Event())
+
+    def stop(self, grace: float = 10.0) -> None:
+        stop_all(list(reversed(self.tiers)), grace)
+        self.tiers = []
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("x-tandem-internal-token", self.token),)  # grpc_server.INTERNAL_TOKEN_KEY
+
+    def scheduler_stats(self, recent_routes: int = 0) -> scheduler_pb2.SchedulerStats:
+        with grpc.insecure_channel(self.scheduler) as channel:
+            return scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
+                scheduler_pb2.SchedulerStatsRequest(recent_routes=recent_routes), timeout=10, metadata=self.metadata)
+
+    def pid(self, name: str) -> int:
+        return self.children[name].pid
+
+
+def _serving(address: str) -> bool:
+    from services.common.health_cli import SERVING, check
+
+    return check(address, timeout=1.0) == SERVING
+
+
+def _printed_ready(log_path: Path) -> bool:
+    return "\nready\n" in "\n" + log_path.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
