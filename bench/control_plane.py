@@ -1,0 +1,361 @@
+"""Control-plane benchmark: a real scheduler and gateway on loopback with 10 to 100 simulated workers
+(`tandem sim-worker`: the real worker protocol, no model), driven through the gateway with bounded load.
+
+For each point (workers x prefix-index size x store) it starts a fresh cluster (tests/sim_cluster.py),
+pre-fills the prefix index with synthetic blocks through the scheduler's ReportBlocks (the door a
+worker's block events take into the store, Redis or embedded), then sends `--requests` requests at
+`--concurrency` and reports:
+  - routing decisions/s (requests routed per second of the run), and the scheduler's own capacity:
+    requests per second of scheduler CPU;
+  - scheduler and gateway CPU per 1,000 delivered tokens (from /proc/<pid>/stat);
+  - tokens/s delivered to the clients;
+  - p99 added latency of routing: from the start of the scheduler's `scheduler.submit` span to the
+    start of the worker's request span (the placement reached the worker), from the span files;
+  - the client's p99 time to first token, for scale.
+Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
+Schedulers are a parameter (`--schedulers N`) for when the gateway spreads over replicas.
+
+Run: `.venv/bin/python bench/control_plane.py --workers 10,50,100 [--index-blocks 10000,1000000]
+[--stores embedded,redis] [--plot bench/results] [--json]`; takes `pip install -e .[bench]` for --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from services.common.spans import SpanName, load_span_files  # noqa: E402
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from tests.redis_fixture import RedisServer  # noqa: E402
+from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
+
+WORKER_SPANS = (SpanName.COLOCATED, SpanName.PREFILL)  # where a placement lands
+INDEX_BATCH = 10_000  # synthetic block hashes per ReportBlocks (a Redis pipeline well inside its 1 s timeout)
+SHARED_PREFIX = 32  # tokens of the prompt a family of requests shares
+FAMILIES = 16
+REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    workers: int
+    index_blocks: int
+    store: str  # "embedded" | "redis"
+    schedulers: int = 1
+
+
+@dataclass(slots=True)
+class Result:
+    workers: int
+    index_blocks: int
+    store: str
+    schedulers: int
+    requests: int
+    failed: int
+    failures: dict[str, int]  # gRPC status name -> requests that ended with it
+    wall_s: float
+    tokens: int
+    decisions_per_s: float
+    tokens_per_s: float
+    scheduler_cpu_ms_per_1k_tokens: float
+    gateway_cpu_ms_per_1k_tokens: float
+    scheduler_cpu_ms_per_request: float
+    scheduler_capacity_rps: float  # requests per second of scheduler CPU
+    sim_cpu_ms_per_1k_tokens: float
+    routing_p50_ms: float
+    routing_p99_ms: float
+    ttft_p99_ms: float
+    index_fill_s: float
+    loadavg_before: str
+    loadavg_after: str
+
+
+def main() -> int:
+    args = parse_args()
+    points = [Point(w, b, s, args.schedulers) for s, b, w in itertools.product(args.stores, args.index_blocks,
+                                                                                args.workers)]
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs (shared with other work: see the load averages)",
+          file=sys.stderr)
+    results = []
+    for point in points:
+        print(f"point {point} ...", file=sys.stderr, flush=True)
+        results.append(run_point(point, args))
+        print(row(results[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps({"machine": cpu_model(), "results": [asdict(r) for r in results]}, indent=2))
+    else:
+        print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=_ints, default=[10, 50, 100], help="simulated workers per point")
+    parser.add_argument("--index-blocks", type=_ints, default=[10_000], help="prefix-index blocks pre-filled")
+    parser.add_argument("--stores", type=lambda t: t.split(","), default=["embedded"], help="embedded,redis")
+    parser.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (1 until they exist)")
+    parser.add_argument("--sim-processes", type=int, default=2, help="processes the simulated workers share")
+    parser.add_argument("--requests", type=int, default=600, help="requests per point")
+    parser.add_argument("--concurrency", type=int, default=48, help="requests in flight at once")
+    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (the first 32 shared by a family)")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
+    parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per simulated worker")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG curves into DIR")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = parser.parse_args()
+    for store in args.stores:
+        if store not in ("embedded", "redis"):
+            parser.error(f"--stores: {store!r} is neither embedded nor redis")
+    if args.input_len <= SHARED_PREFIX:
+        parser.error(f"--input-len must exceed the {SHARED_PREFIX} shared prefix tokens")
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+# -- one point --------------------------------------------------------------------------------
+
+def run_point(point: Point, args: argparse.Namespace) -> Result:
+    with tempfile.TemporaryDirectory(prefix="tandem-cp-") as tmp:
+        run_dir = Path(tmp)
+        redis = RedisServer(run_dir) if point.store == "redis" else None
+        if redis is not None:
+            redis.start()
+        try:
+            cluster = SimCluster.start(run_dir, sim_specs(point.workers, args), schedulers=point.schedulers,
+                                       redis_url=redis.url if redis else None,
+                                       scheduler_flags=("--max-queue", "4096", "--max-running", "256"))
+            try:
+                return measure(cluster, point, args)
+            finally:
+                cluster.stop()
+        finally:
+            if redis is not None:
+                redis.stop()
+
+
+def sim_specs(workers: int, args: argparse.Namespace) -> list[SimSpec]:
+    processes = max(1, min(args.sim_processes, workers))
+    counts = [workers // processes + (1 if i < workers % processes else 0) for i in range(processes)]
+    return [SimSpec(count=n, step_ms=args.step_ms, kv_blocks=args.kv_blocks) for n in counts]
+
+
+def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Result:
+    started = time.monotonic()
+    fill_index(cluster, point.index_blocks)
+    index_fill_s = time.monotonic() - started
+    asyncio.run(drive(cluster.gateway, "warmup", min(32, args.requests), args))
+    pids = {"scheduler": cluster.pid("scheduler"), "gateway": cluster.pid("gateway")}
+    sims = [name for name in cluster.children if name.startswith("sim-")]
+    pids.update({name: cluster.pid(name) for name in sims})
+    before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
+    t0 = time.monotonic()
+    outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
+    wall = time.monotonic() - t0
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
+    tokens = max(outcome.tokens, 1)
+    ok = args.requests - sum(outcome.failures.values())
+    return Result(
+        workers=point.workers, index_blocks=point.index_blocks, store=point.store, schedulers=point.schedulers,
+        requests=args.requests, failed=sum(outcome.failures.values()), failures=dict(outcome.failures), wall_s=round(wall, 2), tokens=outcome.tokens,
+        decisions_per_s=round(ok / wall, 1),
+        tokens_per_s=round(outcome.tokens / wall, 1),
+        scheduler_cpu_ms_per_1k_tokens=round(used["scheduler"] * 1e6 / tokens, 1),
+        gateway_cpu_ms_per_1k_tokens=round(used["gateway"] * 1e6 / tokens, 1),
+        scheduler_cpu_ms_per_request=round(used["scheduler"] * 1e3 / max(ok, 1), 2),
+        scheduler_capacity_rps=round(ok / used["scheduler"], 1) if used["scheduler"] else 0.0,
+        sim_cpu_ms_per_1k_tokens=round(sum(used[name] for name in sims) * 1e6 / tokens, 1),
+        routing_p50_ms=round(percentile(routing, 0.50), 2),
+        routing_p99_ms=round(percentile(routing, 0.99), 2),
+        ttft_p99_ms=round(percentile(outcome.ttfts_ms, 0.99), 2),
+        index_fill_s=round(index_fill_s, 1),
+        loadavg_before=load_before, loadavg_after=loadavg(),
+    )
+
+
+def fill_index(cluster: SimCluster, blocks: int) -> None:
+    """`blocks` synthetic hashes (never a prompt's) spread over the workers, as their block events would."""
+    worker_ids = sorted(cluster.workers)
+    with grpc.insecure_channel(cluster.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        for n, start in enumerate(range(0, blocks, INDEX_BATCH)):
+            stored = [f"{i:032x}" for i in range(start, min(blocks, start + INDEX_BATCH))]
+            request = scheduler_pb2.ReportBlocksRequest(worker_id=worker_ids[n % len(worker_ids)], stored=stored)
+            stub.ReportBlocks(request, timeout=120, metadata=cluster.metadata)
+    if cluster.scheduler_stats().degraded:
+        raise RuntimeError("the scheduler lost its store while the index filled (see scheduler.log in the run "
+                           "directory); the figures would be without prefix routing")
+
+
+# -- the load ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Outcome:
+    request_ids: list[str]
+    tokens: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    ttfts_ms: list[float] = field(default_factory=list)
+
+
+async def drive(gateway: str, tag: str, count: int, args: argparse.Namespace) -> Outcome:
+    """`count` requests, `--concurrency` at a time, each with its own deadline."""
+    outcome = Outcome([f"cp-{tag}-{os.getpid()}-{i}" for i in range(count)])
+    pending: Iterator[int] = iter(range(count))
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GenerateServiceStub(channel)
+
+        async def client() -> None:
+            for i in pending:
+                await one_request(stub, outcome, i, args)
+
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    return outcome
+
+
+async def one_request(stub: gateway_pb2_grpc.GenerateServiceStub, outcome: Outcome, i: int,
+                      args: argparse.Namespace) -> None:
+    request = gateway_pb2.GenerateRequest(
+        token_ids=prompt(i, args.input_len), request_id=outcome.request_ids[i],
+        sampling=common_pb2.SamplingParams(max_tokens=args.output_len, temperature=0.0))
+    started = time.monotonic()
+    first = None
+    try:
+        async for message in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+            if first is None and message.token_ids:
+                first = time.monotonic() - started
+            outcome.tokens += len(message.token_ids)
+    except grpc.aio.AioRpcError as error:
+        outcome.failures[error.code().name] += 1
+        return
+    if first is not None:
+        outcome.ttfts_ms.append(first * 1000)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    """A family's shared prefix (so routing finds prefix hits), then tokens of this request alone."""
+    family = i % FAMILIES
+    shared = [1000 + family * 97 + j for j in range(SHARED_PREFIX)]
+    return shared + [(i * 7919 + j * 131) % 40000 + 200 for j in range(length - SHARED_PREFIX)]
+
+
+# -- what is measured -------------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def routing_latencies_ms(run_dir: Path, request_ids: set[str]) -> list[float]:
+    """Per request: start of its scheduler.submit span to the start of its first worker span."""
+    submitted: dict[str, int] = {}
+    placed: dict[str, int] = {}
+    for span in load_span_files(run_dir).started:
+        if span.request_id not in request_ids:
+            continue
+        if span.name == SpanName.SCHEDULER_SUBMIT:
+            submitted.setdefault(span.request_id, span.start_ns)
+        elif span.name in WORKER_SPANS:
+            placed[span.request_id] = min(span.start_ns, placed.get(span.request_id, span.start_ns))
+    return [(placed[r] - submitted[r]) / 1e6 for r in submitted if r in placed]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+# -- output -----------------------------------------------------------------------------------
+
+COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index blocks"),
+           ("decisions_per_s", "routed/s"), ("scheduler_capacity_rps", "sched cap/s"),
+           ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
+           ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
+           ("ttft_p99_ms", "TTFT p99 ms"), ("failed", "failed"), ("loadavg_after", "loadavg"))
+
+
+def row(result: Result) -> str:
+    values = asdict(result)
+    return " | ".join(str(values[key]) for key, _ in COLUMNS)
+
+
+def table(results: list[Result]) -> str:
+    header = " | ".join(title for _, title in COLUMNS)
+    rule = "|".join("---" for _ in COLUMNS)
+    return "\n".join([f"| {header} |", f"|{rule}|", *(f"| {row(r)} |" for r in results)])
+
+
+def plot(results: list[Result], directory: Path) -> None:
+    """PNG curves of each measure against workers (a line per store and index size) and, when the
+    index size varies, against it (a line per store and worker count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    measures = {"decisions_per_s": "routing decisions/s", "scheduler_capacity_rps": "requests per scheduler CPU-s",
+                "scheduler_cpu_ms_per_1k_tokens": "scheduler CPU ms per 1k tokens",
+                "gateway_cpu_ms_per_1k_tokens": "gateway CPU ms per 1k tokens",
+                "tokens_per_s": "tokens/s to clients", "routing_p99_ms": "p99 routing latency (ms)"}
+    axes_of = {"workers": ("index_blocks", "simulated workers", "{:,} blocks"),
+               "index_blocks": ("workers", "prefix-index blocks", "{} workers")}
+    for x, (other, x_label, line_label) in axes_of.items():
+        if len({getattr(r, x) for r in results}) < 2:
+            continue
+        for key, label in measures.items():
+            figure, axes = plt.subplots(figsize=(6, 4))
+            ordered = sorted(results, key=lambda r: (r.store, getattr(r, other), getattr(r, x)))
+            for (store, value), group in itertools.groupby(ordered, key=lambda r: (r.store, getattr(r, other))):
+                group = list(group)
+                axes.plot([getattr(r, x) for r in group], [getattr(r, key) for r in group], marker="o",
+                          label=f"{store}, {line_label.format(value)}")
+            if x == "index_blocks":
+                axes.set_xscale("log")
+            axes.set_xlabel(x_label)
+            axes.set_ylabel(label)
+            axes.set_title(f"{label} ({cpu_model()})", fontsize=8)
+            axes.grid(True, alpha=0.3)
+            axes.legend(fontsize=7)
+            figure.tight_layout()
+            figure.savefig(directory / f"control_plane_{key}_by_{x}.png", dpi=100)
+            plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
