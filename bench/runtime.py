@@ -1,8 +1,11 @@
-"""Runtime benchmark: the Tandem engine against HF transformers `generate`, same model, same run.
+"""Runtime benchmark: the Tandem engine against HF transformers `generate` in fp32, same model, same run.
 
 Measures decode latency at batch 1, decode throughput at batch 32, prefill throughput of one
-512-token prompt, and peak resident memory; prints a table (or `--json`) with Tandem/HF ratios.
-Run: `.venv/bin/python bench/runtime.py [--model DIR] [--threads 2] [--json]`.
+512-token prompt, and peak resident memory, for each precision of `--variants` (`auto` is what
+the start-up probe picks on this machine; services/runtime/precision.py); prints a table (or
+`--json`) with each variant's ratio to HF fp32. `--llama-bench PATH` adds llama.cpp's own
+`llama-bench` figures for the GGUF the default model ships as (or `--gguf FILE`).
+Run: `.venv/bin/python bench/runtime.py [--model DIR] [--threads 2] [--variants auto,float32] [--json]`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,11 +24,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.common.model_store import ensure_default_model  # noqa: E402
+from services.common.model_config import ModelConfig  # noqa: E402
+from services.common.model_store import ensure_default_model, find_default_gguf  # noqa: E402
 from services.runtime.engine import Engine, EngineConfig  # noqa: E402
+from services.runtime.precision import Choice, resolve  # noqa: E402
 from services.runtime.sampler import SamplingParams  # noqa: E402
 
-TARGETS = {"decode_b1_ms_per_token": 2.0, "decode_b32_tokens_per_s": 2.0, "prefill_tokens_per_s": 1.0}
+TARGETS = {"decode_b1_ms_per_token": 2.0, "decode_b32_tokens_per_s": 3.0, "prefill_tokens_per_s": 2.0}
+VARIANTS = "auto,float32,bfloat16,bfloat16+int8,bfloat16+int4"
+PREFILL_ROWS = 512
 
 
 def prompt(length: int, offset: int = 0) -> list[int]:
@@ -55,8 +63,9 @@ class HfRunner:
 
 
 class TandemRunner:
-    def __init__(self, model_dir: Path) -> None:
-        self.engine = Engine.from_model_dir(model_dir, EngineConfig(kv_memory_bytes=2 << 30))
+    def __init__(self, model_dir: Path, choice: Choice) -> None:
+        config = EngineConfig(kv_memory_bytes=2 << 30, precision=choice.precision)
+        self.engine = Engine.from_model_dir(model_dir, config)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         self.engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
@@ -74,6 +83,23 @@ def measure(runner, batch32_tokens: int) -> dict[str, float]:
     }
 
 
+def variant_choice(variant: str, model_dir: Path) -> Choice:
+    """`auto`, a dtype, or dtype+quantization (as precision names print), resolved for this machine."""
+    dtype, _, quantization = variant.partition("+")
+    if dtype == "auto":
+        quantization = "auto"
+    return resolve(dtype, quantization or "none", "cpu", ModelConfig.from_model_dir(model_dir), PREFILL_ROWS)
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int) -> dict[str, float]:
+    """llama.cpp's prefill (512 tokens) and decode (64 tokens) rates on the same threads."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "64", "-o", "json"],
+                          capture_output=True, text=True, timeout=600, check=True)
+    rows = json.loads(done.stdout)
+    rate = {("prefill" if row["n_prompt"] else "decode"): row["avg_ts"] for row in rows}
+    return {"decode_b1_ms_per_token": 1000 / rate["decode"], "prefill_tokens_per_s": rate["prefill"]}
+
+
 def ratios(tandem: dict[str, float], hf: dict[str, float]) -> dict[str, float]:
     return {
         "decode_b1_ms_per_token": hf["decode_b1_ms_per_token"] / tandem["decode_b1_ms_per_token"],
@@ -87,25 +113,46 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch32-tokens", type=int, default=64)
+    parser.add_argument("--variants", default=VARIANTS, help=f"comma-separated precisions (default {VARIANTS})")
+    parser.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench binary")
+    parser.add_argument("--gguf", type=Path, help="the GGUF llama-bench runs; default: the one the default model ships as")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or ensure_default_model()
+    result: dict[str, object] = {"threads": args.threads, "targets": TARGETS, "variants": {}}
+    for variant in args.variants.split(","):
+        choice = variant_choice(variant, model_dir)
+        figures = measure(TandemRunner(model_dir, choice), args.batch32_tokens)
+        result["variants"][variant] = {"precision": choice.line(), **figures}  # type: ignore[index]
     # Tandem first: peak RSS is a high-water mark, so its figure excludes HF's model.
-    tandem = measure(TandemRunner(model_dir), args.batch32_tokens)
-    tandem_rss = peak_rss_mb()
+    result["peak_rss_mb_tandem"] = peak_rss_mb()
     hf = measure(HfRunner(model_dir), args.batch32_tokens)
-    result = {"tandem": tandem, "hf": hf, "ratio_tandem_over_hf": ratios(tandem, hf),
-              "targets": TARGETS, "peak_rss_mb": {"tandem": tandem_rss, "tandem_plus_hf": peak_rss_mb()},
-              "threads": args.threads}
+    result["hf_fp32"] = hf
+    for figures in result["variants"].values():  # type: ignore[union-attr]
+        figures["ratio_over_hf"] = ratios(figures, hf)
+    if args.llama_bench:
+        result["llama_bench"] = llama_bench(args.llama_bench, args.gguf or find_default_gguf(), args.threads)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
-    print(f"{'metric':28} {'tandem':>10} {'hf':>10} {'ratio':>7} {'target':>7}")
-    for key, target in TARGETS.items():
-        print(f"{key:28} {tandem[key]:10.1f} {hf[key]:10.1f} {result['ratio_tandem_over_hf'][key]:6.2f}x {target:6.1f}x")
-    print(f"peak RSS: tandem {tandem_rss:.0f} MB, tandem+hf {result['peak_rss_mb']['tandem_plus_hf']:.0f} MB")
+    else:
+        print_table(result)
     return 0
+
+
+def print_table(result: dict) -> None:
+    keys = list(TARGETS)
+    print(f"{'':24}" + "".join(f"{k:>26}" for k in keys))
+    rows = [(name, figures, figures["ratio_over_hf"]) for name, figures in result["variants"].items()]
+    for name, figures, ratio in rows:
+        print(f"{name:24}" + "".join(f"{figures[k]:17.1f} ({ratio[k]:4.2f}x)" for k in keys))
+        print(f"{'':24}  = {figures['precision']}")
+    print(f"{'hf generate fp32':24}" + "".join(f"{result['hf_fp32'][k]:26.1f}" for k in keys))
+    if "llama_bench" in result:
+        llama = result["llama_bench"]
+        print(f"{'llama-bench':24}" + "".join(f"{llama[k]:26.1f}" if k in llama else f"{'-':>26}" for k in keys))
+    print(f"{'target (auto over hf)':24}" + "".join(f"{t:25.1f}x" for t in TARGETS.values()))
+    print(f"threads {result['threads']}; peak RSS of the Tandem variants {result['peak_rss_mb_tandem']:.0f} MB")
 
 
 if __name__ == "__main__":

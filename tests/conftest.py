@@ -16,6 +16,10 @@ pytest_plugins = ["tests.redis_fixture"]
 # The suite starts services while it talks gRPC: keep gRPC's fork handlers off, as the tandem
 # command does (tandem/cli/main.py says why).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# `tandem up` the suite starts serves float32 with dense weights, not its probed default: the mesh
+# tests compare tokens with HF's fp32 (reduced precision has tests/integration/test_precision_quality.py).
+os.environ.setdefault("TANDEM_DTYPE", "float32")
+os.environ.setdefault("TANDEM_QUANTIZATION", "none")
 
 
 @pytest.fixture(scope="session")

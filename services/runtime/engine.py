@@ -23,6 +23,7 @@ from services.runtime.grammar import GrammarCompiler
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
+from services.runtime.precision import Precision
 from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed
 from services.runtime.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -38,9 +39,13 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    precision: Precision = Precision()  # activations' and KV dtype, weights' format (runtime/precision.py)
     attention_backend: str = "auto"
     num_threads: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.dtype
 
 
 @dataclass(slots=True)
@@ -96,7 +101,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
         backend = select_backend(config.attention_backend, device)
-        model = CausalLM.from_model_dir(model_dir, backend, config.dtype, device)
+        model = CausalLM.from_model_dir(model_dir, backend, config.precision, device)
         grammars = GrammarCompiler(Path(model_dir), model.config.vocab_size, model.config.eos_token_ids)
         return cls(model, config, grammars)
 

@@ -2,7 +2,10 @@
 
 One forward runs a flattened varlen batch (see `attention.BatchMetadata`) and computes logits
 only at the rows that are sampled. q/k/v and gate/up projections are fused at load time so
-each layer runs three matrix products instead of seven.
+each layer runs three matrix products instead of seven. Activations, norms' outputs and the KV
+cache take the model's dtype; norms compute in float32 as HF's do, and logits come out float32.
+Projections are `quantization.Linear`s: dense, or int8/int4 weights. With quantized weights the
+LM head is int8 (as llama.cpp keeps its output layer above 4 bits); the embedding stays dense.
 """
 
 from __future__ import annotations
@@ -17,26 +20,28 @@ import torch.nn.functional as F
 from services.runtime.attention import AttentionBackend, BatchMetadata
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.loader import WeightReader
+from services.runtime.precision import Precision
+from services.runtime.quantization import DenseLinear, Linear, SplitLinear, make_linear
 from services.common.model_config import ModelConfig
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operation order as HF's LlamaRMSNorm, so fp32 results agree bit for bit.
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    # Same operations as HF's LlamaRMSNorm (float32 inside), so fp32 results agree bit for bit.
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +76,9 @@ class CausalLM:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         backend: AttentionBackend,
+        precision: Precision = Precision(),
     ) -> None:
         self.config = config
         self.embed = embed
@@ -80,6 +86,7 @@ class CausalLM:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.backend = backend
+        self.precision = precision
         self.scale = config.head_dim**-0.5
         freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
         table = torch.cat((freqs, freqs), dim=-1).to(embed.device)
@@ -91,23 +98,18 @@ class CausalLM:
         cls,
         model_dir: str | Path,
         backend: AttentionBackend,
-        dtype: torch.dtype = torch.float32,
+        precision: Precision = Precision(),
         device: torch.device | str = "cpu",
     ) -> CausalLM:
         config = ModelConfig.from_model_dir(model_dir)
         reader = WeightReader(model_dir)
-
-        def take(name: str, *shape: int) -> torch.Tensor:
-            return reader.take(name, shape).to(device=device, dtype=dtype)
-
-        embed = take("model.embed_tokens.weight", config.vocab_size, config.hidden_size)
-        layers = [_load_layer(take, config, i) for i in range(config.num_layers)]
-        final_norm = take("model.norm.weight", config.hidden_size)
-        if config.tie_word_embeddings or not reader.has("lm_head.weight"):
-            lm_head = embed
-        else:
-            lm_head = take("lm_head.weight", config.vocab_size, config.hidden_size)
-        return cls(config, embed, layers, final_norm, lm_head, backend)
+        weights = _Weights(reader, precision, torch.device(device))
+        embed = weights.dense("model.embed_tokens.weight", config.vocab_size, config.hidden_size)
+        layers = [_load_layer(weights, config, i) for i in range(config.num_layers)]
+        final_norm = weights.dense("model.norm.weight", config.hidden_size)
+        tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
+        lm_head = _lm_head(weights, config, DenseLinear(embed) if tied else None)
+        return cls(config, embed, layers, final_norm, lm_head, backend, precision)
 
     @property
     def device(self) -> torch.device:
@@ -129,13 +131,13 @@ class CausalLM:
                                               layer, cos, sin, k_cache, v_cache, meta)
             hidden = hidden + self._mlp(rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps), layer)
         sampled = rms_norm(hidden[meta.logits_indices], self.final_norm, self.config.rms_norm_eps)
-        return F.linear(sampled, self.lm_head)
+        return self.lm_head(sampled).float()
 
     def _attention(self, x, layer: LayerWeights, cos, sin, k_cache, v_cache, meta: BatchMetadata):
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -145,38 +147,71 @@ class CausalLM:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.reshape(x.shape[0], q_size), layer.o_proj)
+        return layer.o_proj(out.reshape(x.shape[0], q_size))
 
     @staticmethod
     def _mlp(x, layer: LayerWeights):
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
 
-def _load_layer(take, config: ModelConfig, index: int) -> LayerWeights:
+class _Weights:
+    """Named tensors from the reader, shape-checked, as dense tensors or as linear layers in the
+    model's precision (fused matrices are concatenated before they are quantized)."""
+
+    def __init__(self, reader: WeightReader, precision: Precision, device: torch.device) -> None:
+        self.reader = reader
+        self.precision = precision
+        self.device = device
+
+    def dense(self, name: str, *shape: int) -> torch.Tensor:
+        return self.reader.take(name, shape).to(device=self.device, dtype=self.precision.dtype)
+
+    def linear(self, names: list[str], shapes: list[tuple[int, ...]], biases: list[str] | None = None,
+               quantization: str | None = None) -> Linear:
+        weight = _joined([self.reader.take(n, s) for n, s in zip(names, shapes)])
+        bias = None
+        if biases is not None:
+            bias = _joined([self.reader.take(n, s[:1]) for n, s in zip(biases, shapes)])
+        return make_linear(weight, bias, quantization or self.precision.quantization, self.precision.dtype,
+                           self.device, self.precision.dense_from_rows)
+
+
+def _lm_head(weights: _Weights, config: ModelConfig, tied: DenseLinear | None) -> Linear:
+    """The output layer: int8 under quantized weights, dense otherwise; a tied head shares the
+    embedding's tensor wherever it is dense."""
+    shape = [(config.vocab_size, config.hidden_size)]
+    precision = weights.precision
+    if tied is None:
+        quantization = "none" if precision.quantization == "none" else "int8"
+        return weights.linear(["lm_head.weight"], shape, quantization=quantization)
+    if precision.quantization == "none":
+        return tied
+    int8 = make_linear(weights.reader.take("model.embed_tokens.weight", shape[0]), None, "int8", precision.dtype)
+    return int8 if precision.dense_from_rows is None else SplitLinear(int8, tied, precision.dense_from_rows)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor stays the memory-mapped original (no copy when its dtype is kept)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _load_layer(weights: _Weights, config: ModelConfig, index: int) -> LayerWeights:
     prefix = f"model.layers.{index}."
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
     attn = prefix + "self_attn."
-    qkv = torch.cat([
-        take(attn + "q_proj.weight", q_size, hidden),
-        take(attn + "k_proj.weight", kv_size, hidden),
-        take(attn + "v_proj.weight", kv_size, hidden),
-    ])
-    qkv_bias = None
-    if config.qkv_bias:
-        qkv_bias = torch.cat([
-            take(attn + "q_proj.bias", q_size), take(attn + "k_proj.bias", kv_size), take(attn + "v_proj.bias", kv_size)
-        ])
+    qkv_names = [attn + "q_proj.", attn + "k_proj.", attn + "v_proj."]
+    qkv_shapes = [(q_size, hidden), (kv_size, hidden), (kv_size, hidden)]
     return LayerWeights(
-        input_norm=take(prefix + "input_layernorm.weight", hidden),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        q_norm=take(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
-        k_norm=take(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
-        o_proj=take(attn + "o_proj.weight", hidden, q_size),
-        post_norm=take(prefix + "post_attention_layernorm.weight", hidden),
-        gate_up=torch.cat([take(prefix + "mlp.gate_proj.weight", inter, hidden),
-                           take(prefix + "mlp.up_proj.weight", inter, hidden)]),
-        down=take(prefix + "mlp.down_proj.weight", hidden, inter),
+        input_norm=weights.dense(prefix + "input_layernorm.weight", hidden),
+        qkv=weights.linear([n + "weight" for n in qkv_names], qkv_shapes,
+                           [n + "bias" for n in qkv_names] if config.qkv_bias else None),
+        q_norm=weights.dense(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
+        k_norm=weights.dense(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
+        o_proj=weights.linear([attn + "o_proj.weight"], [(hidden, q_size)]),
+        post_norm=weights.dense(prefix + "post_attention_layernorm.weight", hidden),
+        gate_up=weights.linear([prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"],
+                               [(inter, hidden), (inter, hidden)]),
+        down=weights.linear([prefix + "mlp.down_proj.weight"], [(hidden, inter)]),
     )

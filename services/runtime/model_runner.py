@@ -29,6 +29,21 @@ class ModelRunner:
         input_ids, meta = self._prepare(chunks)
         return self.model.forward(input_ids, meta, self.cache)
 
+    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+        """Logits `[len(token_ids), vocab]` at every position of one prompt computed from scratch into
+        `block_ids` (initialized already): teacher forcing, as the precision quality test scores a
+        reference continuation."""
+        size, device, n = self.cache.block_size, self.model.device, len(token_ids)
+        table = block_ids[: ceil_div(n, size)]
+        meta = BatchMetadata(
+            positions=torch.arange(n, device=device),
+            slot_mapping=torch.tensor([table[p // size] * size + p % size for p in range(n)], device=device),
+            num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+            prefills=[PrefillSegment(0, n, n, torch.tensor(table, device=device))],
+            logits_indices=torch.arange(n, device=device),
+        )
+        return self.model.forward(torch.tensor(token_ids, device=device), meta, self.cache)
+
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMetadata]:
         size = self.cache.block_size
         device = self.model.device

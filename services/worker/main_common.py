@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,10 +26,12 @@ from services.common import internal_auth
 from services.common.config import add_option, from_args, parse_address, parse_size
 from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
+from services.common.model_config import ModelConfig
 from services.common.model_store import ensure_default_model, model_name
 from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.runtime.engine import Engine, EngineConfig
+from services.runtime.precision import DTYPE_CHOICES, QUANTIZATION_CHOICES, Choice, Precision, resolve
 from services.worker.runtime import WorkerIdentity, WorkerRuntime
 from services.worker.servicer_base import WorkerServicerBase
 from services.worker.transport import ChannelPool
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 EngineFactory = Callable[[Path, "WorkerConfig"], Awaitable[Engine]]
 
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+DEFAULT_CHUNK_SIZE = 512
 SHUTDOWN_GRACE_S = 10.0
 _UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
@@ -56,11 +60,13 @@ class WorkerConfig:
     device: str = "cpu"
     threads: int | None = None  # None: 1 on CPU (two workers share two cores), torch's default on GPU
     kv_memory: int = 2 << 30
-    max_batched_tokens: int = 2048
-    chunk_size: int = 512
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     kv_chunk_bytes: int = 1 << 20
     metrics_port: int = 0  # 0: no metrics endpoint; else served on `host`, like the gRPC port
     attention: str = "auto"
+    dtype: str | None = None  # None: float32 on a CPU, bfloat16 on CUDA; auto: services/runtime/precision.py
+    quantization: str = "none"
     worker_id: str | None = None
     internal_token: str | None = None  # None and no internal_tls: open, only under --insecure-internal
     internal_tls: MutualTLS | None = None
@@ -69,16 +75,26 @@ class WorkerConfig:
     def num_threads(self) -> int | None:
         return self.threads if self.threads is not None else (1 if self.device == "cpu" else None)
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, precision: Precision) -> EngineConfig:
         return EngineConfig(
             kv_memory_bytes=self.kv_memory,
             max_num_batched_tokens=self.max_batched_tokens,
             chunk_size=self.chunk_size,
             device=self.device,
-            dtype=torch.float32 if self.device == "cpu" else torch.bfloat16,
+            precision=precision,
             attention_backend=self.attention,
             num_threads=self.num_threads,
         )
+
+    def precision(self, model_dir: Path) -> Choice:
+        """The flags' precision; `auto` probes (or reads the probe cached for this machine) with the
+        worker's threads, so call it from the thread that will run the engine."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        dtype = self.dtype or ("float32" if torch.device(self.device).type == "cpu" else "bfloat16")
+        choice = resolve(dtype, self.quantization, self.device, ModelConfig.from_model_dir(model_dir),
+                         prefill_rows=min(self.chunk_size, self.max_batched_tokens))
+        return choice if self.dtype else replace(choice, reason=f"the default on {self.device}")
 
     def advertised(self, bound_port: int) -> str:
         """The address other services reach this worker at (loopback when bound to every interface)."""
@@ -116,13 +132,19 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--device", default="cpu", help="cpu or cuda:N")
     add_option(parser, "--threads", type=int, help="torch threads; none: 1 on CPU, torch's choice on GPU")
     add_option(parser, "--kv-memory", type=parse_size, default="2GiB", help="memory for the KV cache")
-    add_option(parser, "--max-batched-tokens", type=int, default=2048, help="token budget of one iteration")
-    add_option(parser, "--chunk-size", type=int, default=512, help="largest prompt chunk in one iteration")
+    add_option(parser, "--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+               help="token budget of one iteration")
+    add_option(parser, "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="largest prompt chunk in one iteration")
     add_option(parser, "--kv-chunk-bytes", type=parse_size, default=1 << 20, help="largest KV chunk shipped")
     add_option(parser, "--metrics-port", type=int, default=spec.metrics_port,
                help="Prometheus /metrics port (0: off)")
     add_option(parser, "--attention", default="auto", choices=("auto", "torch", "flash"),
                help="attention backend")
+    add_option(parser, "--dtype", choices=DTYPE_CHOICES,
+               help="activations and KV cache; none: float32 on a CPU, bfloat16 on CUDA; auto: bfloat16 on "
+                    "CUDA, on a CPU what a start-up probe finds fastest (cached under $TANDEM_HOME/probes)")
+    add_option(parser, "--quantization", default="none", choices=QUANTIZATION_CHOICES,
+               help="weight-only int8/int4 weights (CPU kernels); auto: as the probe finds fastest")
     add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
     internal_auth.add_arguments(parser)
 
@@ -224,8 +246,14 @@ async def open_server(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServ
 
 
 async def load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
-    """The model's engine, loaded in a thread of its own."""
-    return await _in_own_thread(Engine.from_model_dir, model_dir, config.engine_config())
+    """The model's engine in the chosen precision, loaded in a thread of its own."""
+    return await _in_own_thread(_build_engine, model_dir, config)
+
+
+def _build_engine(model_dir: Path, config: WorkerConfig) -> Engine:
+    choice = config.precision(model_dir)
+    log.info("precision %s", choice.line())
+    return Engine.from_model_dir(model_dir, config.engine_config(choice.precision))
 
 
 async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],

@@ -45,6 +45,8 @@ class UpConfig:
     http_port: int
     redis_url: str | None
     threads_per_worker: int | None
+    dtype: str  # services/runtime/precision.py; "auto" is probed here once, then by each worker from the cache
+    quantization: str
     device: str  # "auto": one GPU per worker round-robin when there are GPUs, else cpu
     start_timeout: float
     stop_grace: float
@@ -55,6 +57,10 @@ class UpConfig:
     def connect_host(self) -> str:
         """Where the launcher and the services reach each other."""
         return "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+
+    @property
+    def worker_threads(self) -> int:
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // sum(self.worker_counts().values()))
 
     def worker_counts(self) -> dict[str, int]:
         if self.mode == "colocated":
@@ -94,6 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or the token itself in TANDEM_INTERNAL_TOKEN); default: a random token for this run")
     parser.add_argument("--threads-per-worker", type=_count, default=None,
                         help="CPU threads of each worker (default: the cores shared evenly)")
+    parser.add_argument("--dtype", default=os.environ.get("TANDEM_DTYPE") or "auto",
+                        choices=("auto", "float32", "bfloat16", "float16"),
+                        help="workers' activations and KV cache (env TANDEM_DTYPE); auto (default): bfloat16 on "
+                             "CUDA, on a CPU what a probe of this machine finds fastest")
+    parser.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION") or "auto",
+                        choices=("auto", "none", "int8", "int4"),
+                        help="workers' weight-only quantization (env TANDEM_QUANTIZATION); auto (default): as the probe finds")
     parser.add_argument("--device", default="auto",
                         help="worker device: cpu, cuda:N, or auto (a GPU each, round-robin, when there are GPUs)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for each stage")
@@ -131,6 +144,11 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 1
+    try:
+        print(f"tandem up: precision {_precision(config, model_dir)}", file=sys.stderr, flush=True)
+    except ValueError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     system = LocalSystem(config, model_dir, run_dir(), token)
@@ -149,6 +167,24 @@ def main(args: argparse.Namespace) -> int:
         system.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _precision(config: UpConfig, model_dir: Path) -> str:
+    """The workers' precision as they will resolve it: probed here first (the workers then read the
+    probe's cache), so the machine is measured before any model loads."""
+    if "auto" not in (config.dtype, config.quantization):
+        given = config.dtype if config.quantization == "none" else f"{config.dtype}+{config.quantization}"
+        return f"{given} (given)"
+    import torch
+
+    from services.common.model_config import ModelConfig
+    from services.runtime.precision import resolve
+    from services.worker.main_common import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BATCHED_TOKENS
+
+    torch.set_num_threads(config.worker_threads)
+    device = _devices(config.device, 1)[0]
+    return resolve(config.dtype, config.quantization, device, ModelConfig.from_model_dir(model_dir),
+                   min(DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BATCHED_TOKENS)).line()
 
 
 def _default_model() -> Path:
@@ -248,7 +284,7 @@ class LocalSystem:
     def _start_workers(self, scheduler: str, stop: threading.Event) -> None:
         counts = self.config.worker_counts()
         total = sum(counts.values())
-        threads = self.config.threads_per_worker or max(1, (os.cpu_count() or 1) // total)
+        threads = self.config.worker_threads
         devices = _devices(self.config.device, total)
         children, ports = [], []
         for role, count in counts.items():
@@ -256,6 +292,7 @@ class LocalSystem:
                 port, metrics_port = self._free_port(), self._free_port()
                 flags = ["--advertise", self._address(port), "--scheduler", scheduler, "--model",
                          str(self.model_dir), "--threads", str(threads), "--device", devices[len(children)],
+                         "--dtype", self.config.dtype, "--quantization", self.config.quantization,
                          "--metrics-port", str(metrics_port)]
                 ready = _registered_and_serving(self._address(port), scheduler, self.token)
                 children.append(self._service(f"{role}-{index}", role, port, flags, ready))

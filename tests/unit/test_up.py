@@ -38,7 +38,7 @@ from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 def add_arguments(parser):
     for flag in ("--host", "--port", "--advertise", "--scheduler", "--model", "--threads", "--device",
-                 "--metrics-port", "--redis-url"):
+                 "--dtype", "--quantization", "--metrics-port", "--redis-url"):
         parser.add_argument(flag)
 
 class Registry(scheduler_pb2_grpc.SchedulerServiceServicer):

@@ -1,0 +1,135 @@
+"""The model's linear layers: dense, or with weight-only int8 or int4 weights, behind one callable.
+
+int8 keeps one symmetric scale per output row and runs torch's `_weight_int8pack_mm`; int4 keeps
+a scale and a minimum per group of 32 input weights (GGUF's Q4_1 layout) and runs
+`_weight_int4pack_mm_for_cpu`. Both kernels are the CPU's and take 16-bit activations. A
+`SplitLinear` keeps a dense copy too and runs it from a batch size on, where the probe
+(services/runtime/precision.py) found the quantized kernel slower than the dense one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
+INT4_ROW_MULTIPLE = 16  # the int4 packing takes output rows in tiles of 16
+INT4_LEVELS = 15
+
+
+class Linear(Protocol):
+    """y = x @ W.T (+ bias) for a 2-D activation `x` of shape [rows, in_features]."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DenseLinear:
+    weight: torch.Tensor  # [out, in], in the activation dtype
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Linear:
+    qweight: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # [out], in the activation dtype: W = qweight * scales[:, None]
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        weight = weight.float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(qweight.contiguous(), scales.to(dtype), _cast(bias, dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Linear:
+    packed: torch.Tensor  # uint8, torch's CPU int4 packing of the 0..15 codes
+    scale_zeros: torch.Tensor  # [in / 32, out, 2]: W = (code - 8) * scale + zero per group
+    bias: torch.Tensor | None = None
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        out_features, in_features = weight.shape
+        return out_features % INT4_ROW_MULTIPLE == 0 and in_features % INT4_GROUP == 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """Rounds each group of 32 weights to 16 levels between its minimum and maximum."""
+        out_features, in_features = weight.shape
+        groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        minimum = groups.amin(dim=-1)
+        scale = ((groups.amax(dim=-1) - minimum) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS)
+        return cls.from_groups(codes.view(out_features, in_features), scale, minimum, bias, dtype)
+
+    @classmethod
+    def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """From codes 0..15 `[out, in]` and per-group `scale`, `minimum` `[out, in / 32]`: W = code * scale + minimum."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        zeros = minimum + 8 * scale  # the kernel centres codes on 8
+        scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        return cls(packed, scale_zeros, _cast(bias, dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scale_zeros)
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class SplitLinear:
+    """Quantized weights for batches under `dense_from_rows` rows, the dense copy from there on."""
+
+    quantized: Linear
+    dense: Linear
+    dense_from_rows: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.dense if x.shape[0] >= self.dense_from_rows else self.quantized)(x)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype,
+                device: torch.device | str = "cpu", dense_from_rows: int | None = None) -> Linear:
+    """The layer for `weight` [out, in] in the given format, split by batch size when `dense_from_rows`
+    is set. An int4 weight whose shape the packing cannot take (rows not a multiple of 16, or columns
+    of 32) is kept in int8 instead."""
+    if quantization == "none":
+        return DenseLinear(weight.to(device=device, dtype=dtype), _cast(bias, dtype, device))
+    check_quantization(quantization, dtype, torch.device(device))
+    if quantization == "int4" and Int4Linear.fits(weight):
+        quantized: Linear = Int4Linear.quantize(weight, bias, dtype)
+    else:
+        quantized = Int8Linear.quantize(weight, bias, dtype)
+    if dense_from_rows is None:
+        return quantized
+    return SplitLinear(quantized, make_linear(weight, bias, "none", dtype, device), dense_from_rows)
+
+
+def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ValueError, saying what to pass instead, for a combination the kernels cannot run."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} has CPU kernels only; on {device} pass --quantization none")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--quantization {quantization} runs with 16-bit activations, not {dtype}; "
+                         "pass --dtype bfloat16, float16 or auto")
+
+
+def _cast(bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    return None if bias is None else bias.to(device=device, dtype=dtype)
