@@ -2,8 +2,8 @@
 
 Per row: penalties -> logit_bias -> min_tokens mask -> grammar mask -> argmax when greedy, else
 temperature -> top-k -> top-p -> min-p -> a draw. Rows without a bias, a mask or penalties keep
-the model's logits bit for bit. The draw is a pure function of (seed, position, logits), so any worker that
-samples a request's token at a position draws the same one.
+the model's logits bit for bit. The draw is a pure function of (seed, position, logits), so any
+worker that samples a request's token at a position draws the same one.
 """
 
 from __future__ import annotations
