@@ -140,3 +140,15 @@ def test_the_pipeline_refuses_before_any_worker(sampling, field, problem):
     with pytest.raises(InvalidRequest) as caught:
         validate_request(GenerationRequest(sampling=sampling, prompt="x"), model)
     assert str(caught.value) == f"{field}: {problem}"
+
+
+def test_the_sdk_sends_one_structured_output_and_logit_bias():
+    from tandem.client.request import build_request
+
+    sampling = build_request({"json_schema": SCHEMA, "strict": True, "logit_bias": {5: -100.0}}, prompt="x").sampling
+    assert (json.loads(sampling.structured.json_schema), sampling.structured.strict) == (SCHEMA, True)
+    assert dict(sampling.logit_bias) == {5: -100.0}
+    assert list(build_request({"choice": ["a", "b"]}, prompt="x").sampling.structured.choice.choices) == ["a", "b"]
+    assert not build_request({}, prompt="x").sampling.HasField("structured")
+    with pytest.raises(TypeError, match="options regex and choice are exclusive; give one structured output"):
+        build_request({"choice": ["a"], "regex": "a"}, prompt="x")
