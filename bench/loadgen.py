@@ -6,7 +6,7 @@ arrivals at `rate_per_s` (seeded, so every server gets the same arrival times). 
 same prompts in the same order through the same client (`stream_completion`: a streaming POST
 /v1/completions, greedy, `ignore_eos`), so the figures differ only by the server. A scenario sends at
 most `requests` requests and waits at most its time limit; a request still running then is cancelled
-and counts as failed.
+and counts as failed, and what it streamed until then counts in the latencies and the throughput.
 
 Goodput counts the requests that meet both SLOs on their own (time to first token within the TTFT SLO,
 and the request's own p99 inter-token gap within the ITL SLO) per second of the scenario's wall time.
@@ -129,19 +129,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(server: str, scenario: str, results: list[RequestResult], wall_s: float, slo: Slo) -> ScenarioStats:
-    done = [r for r in results if r.ok]
-    ttfts = [r.ttft_s * 1000 for r in done]
-    gaps = [g * 1000 for r in done for g in r.gaps_s]
-    failed = len(results) - len(done)
+    streamed = [r for r in results if r.ttft_s is not None]  # a request cut off counts what it streamed
+    ttfts = [r.ttft_s * 1000 for r in streamed]
+    gaps = [g * 1000 for r in streamed for g in r.gaps_s]
+    failed = sum(not r.ok for r in results)
     ttft_p99, itl_p99 = percentile(ttfts, 0.99), percentile(gaps, 0.99)
     return ScenarioStats(
         server, scenario, len(results), failed, wall_s,
-        output_tokens_per_s=sum(r.output_tokens for r in done) / wall_s if wall_s > 0 else 0.0,
+        output_tokens_per_s=sum(r.output_tokens for r in streamed) / wall_s if wall_s > 0 else 0.0,
         ttft_p50_ms=percentile(ttfts, 0.5), ttft_p99_ms=ttft_p99,
         itl_mean_ms=statistics.fmean(gaps) if gaps else 0.0,
         itl_p50_ms=percentile(gaps, 0.5), itl_p99_ms=itl_p99,
         goodput_rps=sum(r.meets(slo) for r in results) / wall_s if wall_s > 0 else 0.0,
-        slo_met=failed == 0 and bool(done) and ttft_p99 <= slo.ttft_ms and itl_p99 <= slo.itl_ms,
+        slo_met=failed == 0 and bool(streamed) and ttft_p99 <= slo.ttft_ms and itl_p99 <= slo.itl_ms,
         first_error=next((r.error for r in results if r.error), ""),
     )
 
@@ -153,49 +153,50 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str, prompt_words: int,
-                            max_tokens: int) -> RequestResult:
-    """One greedy streaming completion of exactly `max_tokens` tokens (ignore_eos), timed chunk by chunk."""
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                            result: RequestResult) -> None:
+    """One greedy streaming completion of exactly `max_tokens` tokens (ignore_eos), timed chunk by chunk
+    into `result` as the chunks come, so a request cut off by the time limit keeps what it streamed."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    result, stamps, usage_tokens = RequestResult(prompt_words), [], None
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            return result
+            return
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
+                now = time.perf_counter()
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+                result.output_tokens += 1
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"]["completion_tokens"]
-    result.output_tokens = usage_tokens if usage_tokens is not None else len(stamps)
-    if stamps:
-        result.ttft_s = stamps[0] - start
-        result.gaps_s = [b - a for a, b in zip(stamps, stamps[1:])]
+                result.output_tokens = chunk["usage"]["completion_tokens"]  # a chunk may carry several tokens
     if result.output_tokens != max_tokens:
         result.error = f"{result.output_tokens} tokens instead of {max_tokens}"
-    return result
 
 
 async def run_scenario(url: str, model: str, scenario: Scenario, time_limit_s: float) -> tuple[list[RequestResult], float]:
     """Sends the scenario's requests to `url`; returns each one's result, in sending order, and the wall
     time from the first send to the last completion (or to the time limit)."""
-    words = scenario.prompt_words()
+    results = [RequestResult(words) for words in scenario.prompt_words()]
     arrivals = scenario.arrivals_s()
     gate = asyncio.Semaphore(scenario.concurrency)
     limits = httpx.Limits(max_connections=scenario.concurrency, max_keepalive_connections=scenario.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit_s, connect=10), limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(i: int) -> RequestResult:
+        async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             async with gate:
-                return await stream_completion(client, url, model, prompt_text(i, words[i], scenario.seed),
-                                               words[i], scenario.output_tokens)
+                prompt = prompt_text(i, results[i].prompt_words, scenario.seed)
+                await stream_completion(client, url, model, prompt, scenario.output_tokens, results[i])
 
         tasks = [asyncio.create_task(one(i)) for i in range(scenario.requests)]
         await asyncio.wait(tasks, timeout=time_limit_s)
@@ -203,12 +204,13 @@ async def run_scenario(url: str, model: str, scenario: Scenario, time_limit_s: f
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return [_result_of(task, words[i], time_limit_s) for i, task in enumerate(tasks)], wall_s
+    for result, task in zip(results, tasks):
+        _note_failure(result, task, time_limit_s)
+    return results, wall_s
 
 
-def _result_of(task: asyncio.Task, prompt_words: int, time_limit_s: float) -> RequestResult:
+def _note_failure(result: RequestResult, task: asyncio.Task, time_limit_s: float) -> None:
     if task.cancelled():
-        return RequestResult(prompt_words, error=f"not finished within the scenario's {time_limit_s:.0f} s")
-    if task.exception() is not None:
-        return RequestResult(prompt_words, error=f"{type(task.exception()).__name__}: {task.exception()}")
-    return task.result()
+        result.error = f"not finished within the scenario's {time_limit_s:.0f} s"
+    elif task.exception() is not None:
+        result.error = f"{type(task.exception()).__name__}: {task.exception()}"

@@ -212,9 +212,9 @@ def plot(measured: list[Measured], out_dir: Path) -> list[Path]:
     for scenario in dict.fromkeys(m.stats.scenario for m in measured):
         figure, (ttft_axis, itl_axis) = plt.subplots(1, 2, figsize=(11, 4))
         for m in (m for m in measured if m.stats.scenario == scenario):
-            ok = [r for r in m.results if r.ok]
-            _cdf(ttft_axis, [r.ttft_s * 1000 for r in ok], m.stats.server)
-            _cdf(itl_axis, [g * 1000 for r in ok for g in r.gaps_s], m.stats.server)
+            streamed = [r for r in m.results if r.ttft_s is not None]
+            _cdf(ttft_axis, [r.ttft_s * 1000 for r in streamed], m.stats.server)
+            _cdf(itl_axis, [g * 1000 for r in streamed for g in r.gaps_s], m.stats.server)
         for axis, title in ((ttft_axis, "time to first token (ms)"), (itl_axis, "inter-token latency (ms)")):
             axis.set_xscale("log")
             axis.set_xlabel(title)

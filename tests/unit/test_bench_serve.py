@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from bench import loadgen
 from bench.loadgen import (
     RequestResult, Scenario, Slo, default_scenarios, percentile, prompt_text, stream_completion, summarize,
 )
@@ -63,6 +64,13 @@ def test_summary_counts_goodput_per_request_against_both_slos():
     assert stats.slo_met is False
 
 
+def test_a_request_cut_off_by_the_time_limit_fails_but_its_tokens_count_in_throughput_and_latency():
+    cut = RequestResult(100, ttft_s=0.2, gaps_s=[0.1], output_tokens=2, error="not finished within the scenario's 90 s")
+    stats = summarize("s", "c", [cut], wall_s=1.0, slo=Slo())
+    assert (stats.failed, stats.goodput_rps, stats.output_tokens_per_s) == (1, 0.0, 2.0)
+    assert (stats.ttft_p50_ms, stats.itl_p99_ms) == (200.0, 100.0)
+
+
 def test_slo_met_needs_no_failure_and_both_p99s_within():
     good = [RequestResult(100, ttft_s=0.1, gaps_s=[0.01], output_tokens=2) for _ in range(3)]
     assert summarize("s", "c", good, 1.0, Slo()).slo_met is True
@@ -74,10 +82,13 @@ def _sse(*chunks: dict) -> bytes:
 
 
 def _run(handler) -> RequestResult:
-    async def go() -> RequestResult:
+    result = RequestResult(3)
+
+    async def go() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await stream_completion(client, "http://peer", "m", "a b c", 3, max_tokens=3)
-    return asyncio.run(go())
+            await stream_completion(client, "http://peer", "m", "a b c", 3, result)
+    asyncio.run(go())
+    return result
 
 
 def test_client_sends_a_greedy_ignore_eos_stream_and_times_text_chunks():
@@ -120,3 +131,23 @@ def test_flags_scale_the_scenarios_and_reject_unpaired_names(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--peer-name", "vllm"])
     assert "give one name per URL" in capsys.readouterr().err
+
+
+def test_run_scenario_cuts_a_stalled_stream_at_the_time_limit_and_keeps_what_it_streamed(monkeypatch):
+    async def stall_after_one_chunk():
+        yield b'data: {"choices": [{"text": "x"}]}\n\n'
+        await asyncio.sleep(60)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=stall_after_one_chunk(), headers={"content-type": "text/event-stream"})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(loadgen.httpx, "AsyncClient",
+                        lambda **kwargs: real_client(transport=httpx.MockTransport(handler), **kwargs))
+    scenario = Scenario("c1", requests=2, concurrency=1, output_tokens=4)
+    results, wall_s = asyncio.run(loadgen.run_scenario("http://peer", "m", scenario, time_limit_s=2.0))
+    first, second = results
+    assert first.ttft_s is not None and first.output_tokens == 1
+    assert first.error == second.error == "not finished within the scenario's 2 s"
+    assert second.ttft_s is None  # never sent: the only slot stayed busy
+    assert wall_s >= 2.0
