@@ -161,6 +161,11 @@ class GenerationPipeline:
         """Stop the tokenizer threads (requests still being tokenized finish first)."""
         self._encoder.close()
 
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids as `start` would submit them (validated as there). InvalidRequest or NotFound."""
+        field = validate_request(request, self.model, self.limits)
+        return await self._encoder.encode(request, field)
+
     async def start(self, request: GenerationRequest, timeout: float) -> Generation:
         """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
         field = validate_request(request, self.model, self.limits)
