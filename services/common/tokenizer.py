@@ -10,6 +10,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from services.common.tool_prompt import fallback_messages, native_messages, template_supports_tools
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -54,12 +56,25 @@ class TextCodec:
         """Exactly `tokenizer(text)["input_ids"]` of HF transformers (special tokens as configured)."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The model's chat template over `messages`, ending with the assistant's turn opened: the
-        rendered text encoded without added special tokens, as HF's `tokenize=True` does."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template renders tools itself (else tool_prompt's fallback does)."""
+        template = self._tokenizer.chat_template
+        return isinstance(template, str) and template_supports_tools(template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's chat template over `messages` (and `tools`, OpenAI's tool objects), ending with
+        the assistant's turn opened: the rendered text encoded without added special tokens, as HF's
+        `tokenize=True` does. A template without tool support gets tools, tool calls and tool
+        results written into plain messages by tool_prompt's fallback."""
         if self._tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if self.renders_tools:
+            text = self._tokenizer.apply_chat_template(native_messages(messages), tools=tools or None,
+                                                       add_generation_prompt=True, tokenize=False)
+        else:
+            text = self._tokenizer.apply_chat_template(fallback_messages(messages, tools),
+                                                       add_generation_prompt=True, tokenize=False)
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:

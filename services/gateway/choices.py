@@ -1,5 +1,6 @@
-"""`n` independent samples of one prompt (the OpenAI `n`), as n generations of the shared pipeline
-whose chunks are merged in arrival order, each tagged with its choice index.
+"""`n` independent samples of each of a request's prompts (the OpenAI `n`, and /v1/completions'
+list of prompts), as generations of the shared pipeline whose chunks are merged in arrival
+order, each tagged with its choice index: choice i of prompt p has index p * n + i.
 
 KV sharing: choice 0 is submitted alone and the others only once its first token arrived. By then
 the prompt has been prefilled and its full blocks sit in the prefill worker's prefix cache, so
@@ -22,44 +23,44 @@ SEED_MODULUS = 1 << 64  # seeds are uint64 on the wire
 
 
 class ChoiceSet:
-    """The generations of one request's n choices. Call order: `start()` (submits choice 0 and
-    waits for its first chunk, so failures before any output raise there), then `chunks()`, and
-    `close()` in every case: it cancels whatever still runs upstream.
+    """The generations of one request's choices. Call order: `start()` (submits choice 0 of each
+    prompt and waits for its first chunk, so failures before any output raise there), then
+    `chunks()`, and `close()` in every case: it cancels whatever still runs upstream.
 
-    Choice i > 0 has request id "<id of choice 0>-i" and, when a seed is given, seed + i, so
-    choice 0 draws exactly what the same request with n = 1 draws.
+    Choice i > 0 of a prompt has request id "<id of its choice 0>-i" and, when a seed is given,
+    seed + i, so choice 0 draws exactly what the same request with n = 1 draws.
     """
 
-    def __init__(self, pipeline: GenerationPipeline, request: GenerationRequest, n: int, timeout: float) -> None:
+    def __init__(self, pipeline: GenerationPipeline, requests: list[GenerationRequest], n: int,
+                 timeout: float) -> None:
         self._pipeline = pipeline
-        self._request = request
+        self._requests = requests
         self._n = n
         self._timeout = timeout
         self._generations: list[Generation] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
-        self._first: Chunk | None = None
-        self.trace_id = ""  # of choice 0, once submitted
+        self._firsts: list[tuple[int, Chunk]] = []
+        self.trace_id = ""  # of the first prompt's choice 0, once validated
 
     async def start(self) -> None:
-        """Validate and submit choice 0, wait for its first chunk, then submit the others."""
-        first = await self._pipeline.start(self._request, self._timeout)
-        self._generations.append(first)
-        self.trace_id = first.trace_id
-        first_chunks = aiter(first)
-        self._first = await anext(first_chunks)
-        self._tasks.append(asyncio.create_task(self._pump(0, first_chunks)))
-        for index in range(1, self._n):
-            generation = await self._pipeline.start(self._sibling(index, first.request_id), self._timeout)
-            self._generations.append(generation)
-            self._tasks.append(asyncio.create_task(self._pump(index, aiter(generation))))
+        """Validate every prompt's choice 0 (so a bad prompt fails the request before any work),
+        then for each prompt in turn: submit choice 0, wait for its first chunk, submit the others."""
+        firsts = []
+        for request in self._requests:
+            firsts.append(await self._pipeline.start(request, self._timeout))
+            self._generations.append(firsts[-1])
+        self.trace_id = firsts[0].trace_id
+        for number, (request, first) in enumerate(zip(self._requests, firsts)):
+            await self._start_prompt(number * self._n, request, first)
 
     async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:
         """(choice index, chunk) until every choice finished; the first failure raises."""
-        if self._first is None:
+        if len(self._firsts) != len(self._requests):
             raise RuntimeError("ChoiceSet.chunks() called before start()")
-        yield 0, self._first
-        running = self._n
+        for first in self._firsts:
+            yield first
+        running = self._n * len(self._requests)
         while running:
             index, item = await self._queue.get()
             if item is None:
@@ -76,11 +77,14 @@ class ChoiceSet:
         for generation in self._generations:
             generation.close()
 
-    def _sibling(self, index: int, first_id: str) -> GenerationRequest:
-        sampling = self._request.sampling
-        seed = None if sampling.seed is None else (sampling.seed + index) % SEED_MODULUS
-        return dataclasses.replace(self._request, request_id=f"{first_id}-{index}",
-                                   sampling=dataclasses.replace(sampling, seed=seed))
+    async def _start_prompt(self, base: int, request: GenerationRequest, first: Generation) -> None:
+        first_chunks = aiter(first)
+        self._firsts.append((base, await anext(first_chunks)))
+        self._tasks.append(asyncio.create_task(self._pump(base, first_chunks)))
+        for index in range(1, self._n):
+            generation = await self._pipeline.start(_sibling(request, index, first.request_id), self._timeout)
+            self._generations.append(generation)
+            self._tasks.append(asyncio.create_task(self._pump(base + index, aiter(generation))))
 
     async def _pump(self, index: int, chunks: AsyncIterator[Chunk]) -> None:
         try:
@@ -89,3 +93,10 @@ class ChoiceSet:
             self._queue.put_nowait((index, None))
         except Exception as error:  # handed to the reader of chunks(), which raises it
             self._queue.put_nowait((index, error))
+
+
+def _sibling(request: GenerationRequest, index: int, first_id: str) -> GenerationRequest:
+    sampling = request.sampling
+    seed = None if sampling.seed is None else (sampling.seed + index) % SEED_MODULUS
+    return dataclasses.replace(request, request_id=f"{first_id}-{index}",
+                               sampling=dataclasses.replace(sampling, seed=seed))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
@@ -33,16 +34,18 @@ from services.gateway.choices import ChoiceSet
 from services.gateway.generation import GenerationPipeline
 from services.gateway.http_errors import ApiError, add_error_handlers
 from services.gateway.http_middleware import RequestIds
-from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
+from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest, body_error)
 from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper, ResponseShaper
 from services.gateway.request import OWNED_BY, GenerationRequest, salt_for_key
-from services.gateway.validation import check_choices
+from services.gateway.validation import check_choices, check_generations, check_model, check_token_ids
 from tandem.v1.errors import kind_named
 
 CLIENT_CLOSED_REQUEST = kind_named("Cancelled").http_status  # the client left before the response
 
 T = TypeVar("T")
 Body = CompletionRequest | ChatCompletionRequest
+Parsed = TypeVar("Parsed", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,17 +84,38 @@ class HttpBridge:
         self.serving = False  # /health: 503 until the gateway marks it serving, and again while draining
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionRequest, "cmpl", CompletionShaper)
+        return await self._generate(request, CompletionRequest, "cmpl")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionRequest, "chatcmpl", ChatShaper)
+        return await self._generate(request, ChatCompletionRequest, "chatcmpl")
 
     async def models(self, request: Request) -> Response:
         self._authenticate(request)
-        model = self.pipeline.model
-        card = {"id": model.name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
-                "root": model.name, "max_model_len": model.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        self._authenticate(request)
+        if model_id != self.pipeline.model.name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{self.pipeline.model.name!r} (GET /v1/models)", "model", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        self._authenticate(request)
+        body = _parse(TokenizeRequest, await _read_body(request, self.config.max_body_bytes))
+        token_ids = await self.pipeline.tokenize(body.generation_request())
+        return JSONResponse({"tokens": token_ids, "count": len(token_ids),
+                             "max_model_len": self.pipeline.model.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authenticate(request)
+        body = _parse(DetokenizeRequest, await _read_body(request, self.config.max_body_bytes))
+        check_model(body.model, self.pipeline.model)
+        check_token_ids("tokens", body.tokens, self.pipeline.model)
+        return JSONResponse({"prompt": self.pipeline.codec.decode(body.tokens, skip_special_tokens=False)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": importlib.metadata.version("tandem")})
 
     async def health(self, request: Request) -> Response:
         if self.serving:
@@ -103,21 +127,19 @@ class HttpBridge:
         body, content_type = render_metrics(self.registry)
         return Response(body, media_type=content_type)
 
-    async def _generate(self, request: Request, body_type: type[Body], id_prefix: str,
-                        shaper_type: type[ResponseShaper]) -> Response:
-        body, generation_request = await self._accept(request, body_type)
-        shaper = shaper_type(f"{id_prefix}-{generation_request.request_id}", int(time.time()),
-                             self.pipeline.model.name, self._token_text,
-                             with_logprobs=generation_request.sampling.logprobs is not None)
-        choices = ChoiceSet(self.pipeline, generation_request, body.num_choices, self.config.request_timeout)
+    async def _generate(self, request: Request, body_type: type[Body], id_prefix: str) -> Response:
+        body, requests = await self._accept(request, body_type)
+        shaper = self._shaper(body, requests, f"{id_prefix}-{requests[0].request_id}")
+        total = body.num_choices * len(requests)
+        choices = ChoiceSet(self.pipeline, requests, body.num_choices, self.config.request_timeout)
         streamed = False
         try:
             with _named_as_sent(body):
                 await _unless_disconnected(request, choices.start())
             if body.stream:
                 streamed = True  # the response closes the choices when the stream ends
-                return sse.SseResponse(sse.events(shaper, choices, body.num_choices, body.include_usage), choices.close)
-            collected = await _unless_disconnected(request, _collect(choices, body.num_choices))
+                return sse.SseResponse(sse.events(shaper, choices, total, body.include_usage), choices.close)
+            collected = await _unless_disconnected(request, _collect(choices, total))
             return JSONResponse(shaper.response(collected))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -126,13 +148,35 @@ class HttpBridge:
             if not streamed:
                 choices.close()
 
-    async def _accept(self, request: Request, body_type: type[Body]) -> tuple[Body, GenerationRequest]:
-        """Everything checked before any work: key, body size, JSON, limits; then the pipeline's request."""
+    async def _accept(self, request: Request, body_type: type[Body]) -> tuple[Body, list[GenerationRequest]]:
+        """Everything checked before any work: key, body size, JSON, fields, limits; then the
+        pipeline's requests, one per prompt."""
         api_key = self._authenticate(request)
         body = _parse(body_type, await _read_body(request, self.config.max_body_bytes))
+        body.check_undeclared()
         check_choices(body.num_choices, self.pipeline.limits)
         with _named_as_sent(body):
-            return body, body.generation_request(request.state.request_id, salt_for_key(api_key), DEFAULT_MAX_TOKENS)
+            requests = body.generation_requests(request.state.request_id, salt_for_key(api_key), DEFAULT_MAX_TOKENS)
+        check_generations(len(requests), body.num_choices, self.pipeline.limits)
+        return body, requests
+
+    def _shaper(self, body: Body, requests: list[GenerationRequest], response_id: str) -> ResponseShaper:
+        common = (response_id, int(time.time()), self.pipeline.model.name, self._token_text)
+        with_logprobs = requests[0].sampling.logprobs is not None
+        if isinstance(body, ChatCompletionRequest):
+            return ChatShaper(*common, with_logprobs=with_logprobs, n=body.num_choices, tools=body.tool_plan)
+        echoes = [self._prompt_text(request) for request in requests] if body.echo else None
+        return CompletionShaper(*common, with_logprobs=with_logprobs, n=body.num_choices, echoes=echoes)
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        return self.pipeline.codec.decode(request.token_ids or [], skip_special_tokens=False)
+
+    def _model_card(self) -> dict[str, object]:
+        model = self.pipeline.model
+        return {"id": model.name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
+                "root": model.name, "max_model_len": model.max_model_len}
 
     def _authenticate(self, request: Request) -> str | None:
         """The caller's API key (None when the gateway has none configured); 401 otherwise."""
@@ -154,7 +198,7 @@ def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,
     """The HTTP app over `pipeline`. /health answers 503 until `set_serving(app, True)`; /metrics
     renders `registry` (the gateway's ServiceMetrics registry)."""
     bridge = HttpBridge(pipeline, config, registry if registry is not None else CollectorRegistry())
-    # No FastAPI spans: a request's root is its gateway.generate span, as on the gRPC door (and
+    # No FastAPI spans: a request's root is the gateway's span (`{operation} {model}`), as on the gRPC door (and
     # every /health and /metrics scrape would otherwise add a trace of its own).
     app = FastAPI(title="Tandem", summary="OpenAI-compatible API of a Tandem gateway", docs_url=None,
                   redoc_url=None, telemetry={"tracing": False})
@@ -163,6 +207,10 @@ def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,
     app.add_api_route("/v1/completions", bridge.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", bridge.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", bridge.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", bridge.model, methods=["GET"])
+    app.add_api_route("/tokenize", bridge.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", bridge.detokenize, methods=["POST"])
+    app.add_api_route("/version", bridge.version, methods=["GET"])
     app.add_api_route("/health", bridge.health, methods=["GET"])
     app.add_api_route("/metrics", bridge.metrics, methods=["GET"])
     add_error_handlers(app)
@@ -192,7 +240,7 @@ def _too_large(size: str, limit: int) -> ApiError:
                     None, "request_too_large")
 
 
-def _parse(body_type: type[Body], raw: bytes) -> Body:
+def _parse(body_type: type[Parsed], raw: bytes) -> Parsed:
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as exc:

@@ -1,24 +1,27 @@
 """The request bodies of the OpenAI-compatible API, as vLLM takes them: /v1/completions and
-/v1/chat/completions parsed into the gateway's `GenerationRequest`, and a failed parse worded
-for the client.
+/v1/chat/completions parsed into the gateway's `GenerationRequest`s (one per prompt), and a failed
+parse worded for the client.
 
 Bodies are checked here for JSON types only; value ranges are the pipeline's (validation.py), so
-the HTTP and gRPC doors reject the same values with the same messages.
+the HTTP and gRPC doors reject the same values with the same messages. A field a body does not
+declare goes to openai_fields' policy: inert, refused with a 400, or unknown and logged.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.common.errors import InvalidRequest
 from services.common.sampling_params import SamplingParams
 from services.common.structured_output import StructuredOutput
+from services.gateway.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldPolicy, check_undeclared
 from services.gateway.request import GenerationRequest
 from services.gateway.structured_requests import ResponseFormat, StructuredFields
+from services.gateway.tools import Tool, ToolChoice, ToolPlan
 
 
 class _Body(BaseModel):
@@ -32,6 +35,10 @@ class StreamOptions(_Body):
 
 class _GenerationBody(StructuredFields, _Body):
     """Fields both endpoints share. None means "not sent": the SamplingParams default applies."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # undeclared fields: see check_undeclared
+    undeclared_fields: ClassVar[dict[str, FieldPolicy]] = {}
+    endpoint: ClassVar[str] = ""
 
     model: str = ""
     max_tokens: int | None = None
@@ -52,7 +59,7 @@ class _GenerationBody(StructuredFields, _Body):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user label; accepted, and every caller is served alike
     cache_salt: str | None = None
 
     @property
@@ -67,8 +74,16 @@ class _GenerationBody(StructuredFields, _Body):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
-        """The pipeline's request for this body (the prompt fields are the subclass's)."""
+    def check_undeclared(self) -> None:
+        """Refuse (InvalidRequest) the fields sent that this server does not implement; log unknown ones."""
+        check_undeclared(self.model_extra or {}, self.undeclared_fields, self.endpoint)
+
+    def generation_requests(self, request_id: str, default_salt: str, default_max_tokens: int) -> list[GenerationRequest]:
+        """The pipeline's requests for this body, one per prompt."""
+        return [self._generation_request(request_id, default_salt, default_max_tokens)]
+
+    def _generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
+        """The pipeline's request for this body but its prompt (the subclass's)."""
         return GenerationRequest(
             sampling=self._sampling(default_max_tokens),
             model=self.model,
@@ -107,27 +122,44 @@ class _GenerationBody(StructuredFields, _Body):
 
 
 class CompletionRequest(_GenerationBody):
-    """POST /v1/completions. `prompt` is text or token ids; a batch of one is unwrapped."""
+    """POST /v1/completions. `prompt` is a text, token ids, or a list of either: one request per
+    prompt, whose choices are numbered prompt by prompt (choice i of prompt p has index p * n + i)."""
 
-    prompt: str | list[int]
+    undeclared_fields: ClassVar[dict[str, FieldPolicy]] = COMPLETION_FIELDS
+    endpoint: ClassVar[str] = "/v1/completions"
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) > 1:
-                raise ValueError("batches of prompts are not supported; send one prompt per request")
-            return value[0]
-        return value
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, as texts and token-id lists."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
-    def generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
-        request = super().generation_request(request_id, default_salt, default_max_tokens)
-        if isinstance(self.prompt, str):
-            request.prompt = self.prompt
-        else:
-            request.token_ids = list(self.prompt)
-        return request
+    def check_undeclared(self) -> None:
+        super().check_undeclared()
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise InvalidRequest("best_of", f"must equal n ({self.num_choices}): every sample is returned, "
+                                 "none is ranked out")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo", "with logprobs needs the prompt's logprobs, which this server does not "
+                                 "compute yet; send echo or logprobs, not both")
+
+    def generation_requests(self, request_id: str, default_salt: str, default_max_tokens: int) -> list[GenerationRequest]:
+        requests = []
+        for index, prompt in enumerate(self.prompts):
+            request = self._generation_request(request_id if index == 0 else f"{request_id}-p{index}",
+                                               default_salt, default_max_tokens)
+            if isinstance(prompt, str):
+                request.prompt = prompt
+            else:
+                request.token_ids = list(prompt)
+            requests.append(request)
+        return requests
 
     def param_name(self, field_name: str) -> str:
         return "prompt" if field_name == "token_ids" else field_name
@@ -141,29 +173,63 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_dict(self) -> dict[str, str]:
-        """{"role", "content"} as the chat template takes it; text parts are joined."""
-        if isinstance(self.content, list):
-            return {"role": self.role, "content": "".join(part.text for part in self.content)}
-        return {"role": self.role, "content": self.content or ""}
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it: "role" and "content" (text parts joined),
+        and the tool fields that were sent."""
+        content = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`."""
 
+    undeclared_fields: ClassVar[dict[str, FieldPolicy]] = CHAT_FIELDS
+    endpoint: ClassVar[str] = "/v1/chat/completions"
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    def generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
-        request = super().generation_request(request_id, default_salt, default_max_tokens)
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """How this request uses tools (None: it sent none); InvalidRequest when the fields disagree."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def _generation_request(self, request_id: str, default_salt: str, default_max_tokens: int) -> GenerationRequest:
+        request = super()._generation_request(request_id, default_salt, default_max_tokens)
         request.messages = [message.as_dict() for message in self.messages]
+        plan = self.tool_plan
+        if plan is not None:
+            request.tools = plan.template_tools()
         # As OpenAI and vLLM: a chat reply without a limit may use the rest of the context.
         request.max_tokens_to_context = self._max_tokens() is None
         return request
@@ -174,7 +240,14 @@ class ChatCompletionRequest(_GenerationBody):
         return "top_logprobs" if field_name == "logprobs" else field_name
 
     def _structured(self) -> StructuredOutput | None:
-        return self.structured_output_with(self.response_format)
+        """response_format or the vLLM fields, or the schema that forces a required or named tool call."""
+        asked = self.structured_output_with(self.response_format)
+        plan = self.tool_plan
+        forced = None if plan is None else plan.structured_output()
+        if forced is not None and asked is not None:
+            raise InvalidRequest("tool_choice", "a required or named tool call cannot be combined with another "
+                                                "structured output; send one of them")
+        return forced or asked
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -183,6 +256,32 @@ class ChatCompletionRequest(_GenerationBody):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize, as vLLM takes it: a text `prompt`, or chat `messages` (and their `tools`)
+    rendered by the chat template as /v1/chat/completions would."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # a small API: a field it lacks is a mistake
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+
+    def generation_request(self) -> GenerationRequest:
+        messages = None if self.messages is None else [message.as_dict() for message in self.messages]
+        tools = None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return GenerationRequest(model=self.model, prompt=self.prompt, messages=messages, tools=tools)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids back to text, special tokens included."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = ""
+    tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The response JSON of the OpenAI-compatible API, as vLLM serves it: whole responses, stream
-chunks, usage and logprobs of /v1/completions and /v1/chat/completions, built from the pipeline's
-chunks (errors: http_errors.py).
+chunks, usage and logprobs of /v1/completions (with echo) and /v1/chat/completions (with tool
+calls, read by tools.py), built from the pipeline's chunks (errors: http_errors.py).
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.output import Chunk
+from services.gateway.tools import ToolCall, ToolCallReader, ToolDelta, ToolPlan
 from tandem.v1 import common_pb2
 
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 
 
-def usage_body(usages: list[common_pb2.Usage]) -> dict[str, Any]:
-    """Usage of the n choices of one prompt: the prompt (and its cached part) counted once, as
-    OpenAI bills it, from the first choice, which computed it; completion tokens summed."""
-    prompt, cached = (usages[0].prompt_tokens, usages[0].cached_tokens) if usages else (0, 0)
+def usage_body(usages: list[common_pb2.Usage], n: int = 1) -> dict[str, Any]:
+    """Usage of the choices of a request, n per prompt in index order: each prompt (and its cached
+    part) counted once, as OpenAI bills it, from its first choice, which computed it; completion
+    tokens summed."""
+    firsts = usages[::n]
+    prompt = sum(usage.prompt_tokens for usage in firsts)
+    cached = sum(usage.cached_tokens for usage in firsts)
     completion = sum(usage.completion_tokens for usage in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -58,17 +62,18 @@ class ResponseShaper:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, created: int, model: str, token_text: TokenText,
-                 with_logprobs: bool) -> None:
+                 with_logprobs: bool, n: int = 1) -> None:
         self.response_id = response_id
         self.created = created
         self.model = model
         self.token_text = token_text
         self.with_logprobs = with_logprobs
+        self.n = n  # choices per prompt
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         return {**self._header(self.object_name),
                 "choices": [self._final_choice(choice) for choice in choices],
-                "usage": usage_body([choice.usage for choice in choices if choice.usage is not None])}
+                "usage": usage_body([choice.usage for choice in choices if choice.usage is not None], self.n)}
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         """Chunks sent before any token (the chat role)."""
@@ -76,30 +81,37 @@ class ResponseShaper:
 
     def chunk(self, index: int, chunk: Chunk) -> dict[str, Any] | None:
         """The stream chunk for one pipeline chunk; None when it has nothing to show."""
-        if not (chunk.text or chunk.finish_reason or (self.with_logprobs and chunk.logprobs)):
+        delta = self._delta(index, chunk)
+        if not (any(delta.values()) or chunk.finish_reason or (self.with_logprobs and chunk.logprobs)):
             return None
-        choice = {"index": index, **self._delta(chunk.text),
+        choice = {"index": index, **delta,
                   "logprobs": self._logprobs(index, chunk.logprobs) if self.with_logprobs else None,
-                  "finish_reason": chunk.finish_reason, "stop_reason": stop_reason(chunk)}
+                  "finish_reason": self._finish_reason(index, chunk.finish_reason), "stop_reason": stop_reason(chunk)}
         return {**self._header(self.chunk_object_name), "choices": [choice]}
 
     def usage_chunk(self, usages: list[common_pb2.Usage]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: no choices, the usage."""
-        return {**self._header(self.chunk_object_name), "choices": [], "usage": usage_body(usages)}
+        return {**self._header(self.chunk_object_name), "choices": [], "usage": usage_body(usages, self.n)}
 
     def _header(self, object_name: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
 
     def _final_choice(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, **self._message(choice.text),
+        return {"index": choice.index, **self._message(choice),
                 "logprobs": self._logprobs(choice.index, choice.logprobs) if self.with_logprobs else None,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": self._finish_reason(choice.index, choice.finish_reason),
+                "stop_reason": choice.stop_reason}
 
-    def _message(self, text: str) -> dict[str, Any]:
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        """The choice's output fields of a whole response."""
         raise NotImplementedError
 
-    def _delta(self, text: str) -> dict[str, Any]:
+    def _delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
+        """The choice's output fields of a stream chunk; all empty when it adds nothing."""
         raise NotImplementedError
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        return reason
 
     def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
         raise NotImplementedError
@@ -107,20 +119,28 @@ class ResponseShaper:
 
 class CompletionShaper(ResponseShaper):
     """text_completion objects; logprobs in the legacy shape (tokens, token_logprobs,
-    top_logprobs, text_offset), offsets running on across a choice's chunks."""
+    top_logprobs, text_offset), offsets running on across a choice's chunks. With echo, each
+    choice's text starts with its prompt's text (`echoes`, one per prompt)."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echoes: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}
+        self._echoes = echoes
+        self._echoed: set[int] = set()  # stream: the choices whose prompt text was sent
 
-    def _message(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        return {"text": self._echo(choice.index) + choice.text}
 
-    def _delta(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
+        echo = "" if index in self._echoed else self._echo(index)
+        self._echoed.add(index)
+        return {"text": echo + chunk.text}
+
+    def _echo(self, index: int) -> str:
+        return "" if self._echoes is None else self._echoes[index // self.n]
 
     def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
         tokens = [self.token_text(entry.token_id) for entry in entries]
@@ -138,10 +158,17 @@ class CompletionShaper(ResponseShaper):
 
 
 class ChatShaper(ResponseShaper):
-    """chat.completion objects; the stream opens with the assistant role for every choice."""
+    """chat.completion objects; the stream opens with the assistant role for every choice. With
+    tools, each choice's text is read into content and `tool_calls` (tools.ToolCallReader), and a
+    choice that called a tool without tool_choice naming it finishes with "tool_calls"."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tools = tools
+        self._readers: dict[int, ToolCallReader] = {}
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return [{**self._header(self.chunk_object_name),
@@ -149,11 +176,37 @@ class ChatShaper(ResponseShaper):
                               "finish_reason": None}]}
                 for index in range(n)]
 
-    def _message(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        if self._tools is None:
+            return {"message": {"role": "assistant", "content": choice.text}}
+        reader = self._reader(choice.index)
+        read = _joined(reader.push(choice.text), reader.finish())
+        if not read.calls:
+            return {"message": {"role": "assistant", "content": read.content}}
+        return {"message": {"role": "assistant", "content": read.content.strip() or None,
+                            "tool_calls": [call.as_json() for call in read.calls]}}
 
-    def _delta(self, text: str) -> dict[str, Any]:
-        return {"delta": {"content": text} if text else {}}
+    def _delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
+        if self._tools is None:
+            return {"delta": {"content": chunk.text} if chunk.text else {}}
+        reader = self._reader(index)
+        before = reader.num_calls
+        read = reader.push(chunk.text)
+        if chunk.finish_reason is not None:
+            read = _joined(read, reader.finish())
+        delta: dict[str, Any] = {"content": read.content} if read.content else {}
+        if read.calls:
+            delta["tool_calls"] = [_call_delta(before + number, call) for number, call in enumerate(read.calls)]
+        return {"delta": delta}
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        named = self._tools is not None and self._tools.forced and self._tools.choice != "required"
+        called = index in self._readers and self._readers[index].num_calls > 0
+        return "tool_calls" if reason == "stop" and called and not named else reason
+
+    def _reader(self, index: int) -> ToolCallReader:
+        assert self._tools is not None
+        return self._readers.setdefault(index, ToolCallReader(self._tools))
 
     def _logprobs(self, index: int, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
         return {"content": [{**self._token(entry.token_id, entry.logprob),
@@ -163,3 +216,12 @@ class ChatShaper(ResponseShaper):
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _joined(first: ToolDelta, second: ToolDelta) -> ToolDelta:
+    return ToolDelta(first.content + second.content, first.calls + second.calls)
+
+
+def _call_delta(number: int, call: ToolCall) -> dict[str, Any]:
+    """A whole call as one stream delta, in OpenAI's shape (`index`: the call's number in the choice)."""
+    return {"index": number, **call.as_json()}

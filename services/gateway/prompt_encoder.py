@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -39,7 +40,7 @@ class PromptEncoder:
             return list(request.token_ids or [])
         if field == "prompt":
             return await self._run(self._codec.encode, request.prompt or "")
-        return await self._run(self._chat, request.messages or [])
+        return await self._run(self._chat, request.messages or [], request.tools)
 
     def close(self) -> None:
         """Stop the threads once their current work ends; waiting work is dropped."""
@@ -56,8 +57,8 @@ class PromptEncoder:
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
         return await asyncio.wrap_future(job)
 
-    def _chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         try:
-            return self._codec.apply_chat_template(messages)
+            return self._codec.apply_chat_template(messages, tools)
         except TemplateError as exc:
             raise InvalidRequest("messages", f"the model's chat template rejects them: {exc}") from None

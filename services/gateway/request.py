@@ -10,6 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.model_config import ModelConfig
 from services.common.model_store import model_name
@@ -30,7 +31,8 @@ class GenerationRequest:
     model: str = ""  # empty: the served model
     prompt: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None  # {"role": ..., "content": ...}
+    messages: list[dict[str, Any]] | None = None  # {"role", "content"}, and OpenAI's tool_calls, tool_call_id
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects, rendered by the chat template
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized output
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -45,6 +45,13 @@ def check_choices(n: int, limits: RequestLimits) -> None:
         raise InvalidRequest("n", f"must be in [1, {limits.max_n}], got {n}")
 
 
+def check_generations(num_prompts: int, n: int, limits: RequestLimits) -> None:
+    """A request's prompts times n stay within max_n generations (--max-n)."""
+    if num_prompts * n > limits.max_n:
+        raise InvalidRequest("prompt", f"{num_prompts} prompts with n={n} make {num_prompts * n} generations; "
+                             f"at most {limits.max_n} (--max-n) per request")
+
+
 def request_id_or_new(candidate: str) -> str:
     """The caller's request id when it is a valid one, else a new id: every response names its
     request, even one refused for its id."""
@@ -99,13 +106,14 @@ def _check_prompt_field(request: GenerationRequest, model: ServedModel, limits: 
         _check_at_most("prompt", len(request.prompt or ""), limits.max_prompt_chars, "characters")
     if field == "token_ids":
         _check_prompt_fits("token_ids", len(request.token_ids or []), model)
-        _check_token_ids("token_ids", request.token_ids or [], model, allow_empty=False)
+        check_token_ids("token_ids", request.token_ids or [], model, allow_empty=False)
     if field == "messages":
         _check_messages(request.messages or [], model, limits)
     return field
 
 
-def _check_token_ids(field: str, token_ids: list[int], model: ServedModel, allow_empty: bool) -> None:
+def check_token_ids(field: str, token_ids: list[int], model: ServedModel, allow_empty: bool = True) -> None:
+    """Every id is in the model's vocabulary (InvalidRequest naming the first that is not)."""
     if not token_ids and not allow_empty:
         raise InvalidRequest(field, "must not be empty")
     for index, token_id in enumerate(token_ids):
@@ -136,8 +144,8 @@ def _check_sampling(request: GenerationRequest, model: ServedModel, limits: Requ
     except ValueError as exc:  # "<field> <rule>, got <value>"
         field, _, problem = str(exc).partition(" ")
         raise InvalidRequest(field, problem) from None
-    _check_token_ids("stop_token_ids", list(stop_token_ids), model, allow_empty=True)
-    _check_token_ids("logit_bias", [token_id for token_id, _ in request.sampling.logit_bias], model, allow_empty=True)
+    check_token_ids("stop_token_ids", list(stop_token_ids), model)
+    check_token_ids("logit_bias", [token_id for token_id, _ in request.sampling.logit_bias], model)
 
 
 def _check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
