@@ -397,7 +397,7 @@ async def test_n_choices_stream_interleaved_by_index(client, fake):
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),  # no prompt of a list is submitted
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
