@@ -6,6 +6,7 @@ import argparse
 
 from services.colocated.servicer import ColocatedServicer
 from services.worker import main_common
+from services.worker.servicer_base import TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 SPEC = main_common.RoleSpec(
@@ -14,7 +15,8 @@ SPEC = main_common.RoleSpec(
     port=50081,
     metrics_port=9105,
     make_servicer=lambda config, channels, loaded: ColocatedServicer(loaded),
-    services=(("tandem.v1.ColocatedService", worker_pb2_grpc.add_ColocatedServiceServicer_to_server),),
+    services=(("tandem.v1.ColocatedService", worker_pb2_grpc.add_ColocatedServiceServicer_to_server),
+              TOKEN_STREAM_SERVICE),
 )
 
 

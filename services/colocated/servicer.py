@@ -1,7 +1,7 @@
 """ColocatedService: one engine prefills and decodes each request, with no KV transfer.
 
 The baseline that disaggregation is measured against: Run queues the request in the engine and
-returns; all its tokens, the first included, go on the worker's ReportTokens stream. The request's
+returns; all its tokens, the first included, go on the request's token stream (the gateway reads it). The request's
 colocated.request span, a child of the scheduler's, runs from Run until its last token or abort.
 """
 

@@ -7,6 +7,7 @@ import argparse
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.decode.servicer import DecodeServicer
 from services.worker import main_common
+from services.worker.servicer_base import TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
 
 SPEC = main_common.RoleSpec(
@@ -18,6 +19,7 @@ SPEC = main_common.RoleSpec(
     services=(
         ("tandem.v1.DecodeService", worker_pb2_grpc.add_DecodeServiceServicer_to_server),
         ("tandem.v1.KvTransferService", kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server),
+        TOKEN_STREAM_SERVICE,
     ),
     # Routing looks at prefill workers' caches only; a decode worker's cache serves its own recomputes.
     report_blocks=False,

@@ -3,7 +3,7 @@ admission of each request into the running batch at the next iteration once its 
 
 A request's life here: Reserve (the runtime's KV hand-off allocates its blocks) -> Push (each
 chunk written into them as it arrives) -> admitted at the next iteration boundary -> one token per
-iteration on the ReportTokens stream -> blocks freed when it finishes. Release, Abort and the
+iteration on the request's token stream (the gateway reads it) -> blocks freed when it finishes. Release, Abort and the
 reservation's TTL free the blocks at any point. The blocks and their state are the hand-off's
 (services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's
 trace context (the decode span's parent) and the reservation's TTL.

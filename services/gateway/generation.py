@@ -1,14 +1,19 @@
 """The gateway's request pipeline, shared by the gRPC door and the HTTP bridge: validate (the
 request limits), tokenize (off the event loop), submit to the scheduler with the deadline and
-trace context, relay the token events as chunks.
+trace context, read the tokens from the workers it placed the request on, and turn them into chunks.
 
-A `Generation` is one request in flight. Leaving its iteration early, or `close()`, cancels the
-Submit call, which aborts the request on whichever worker holds it. Its failures reach the client
-as client_errors words them; the upstream's own message goes to the log and the span.
+A `Generation` is one request in flight: one attempt (attempt.py) at a time, the next one the
+continuation the scheduler places after the worker generating it was lost (the tokens delivered
+so far go with it; the relay goes on at the same offset). A Submit call that cannot reach the
+scheduler before the request is placed is made again until the deadline. Leaving its iteration
+early, or `close()`, cancels the attempt's calls, which aborts the request on whichever worker
+holds it. Its failures reach the client as client_errors words them; the upstream's own message
+goes to the log and the span.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -17,22 +22,53 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import TandemError, Unavailable, error_from_rpc
+from services.common.channels import internal_channel
+from services.common.errors import DeadlineExceeded, TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.metrics import ServiceMetrics
+from services.common.spans import gateway_span_name
 from services.common.tokenizer import TextCodec
-from services.common.tracing import Attr, SpanName, TokenTimings, inject_metadata
+from services.common.tracing import Attr, TokenTimings, inject_metadata
 from services.common.wire import sampling_to_proto
+from services.gateway.attempt import Attempt
 from services.gateway import telemetry
 from services.gateway.client_errors import for_client
 from services.gateway.limits import RequestLimits
 from services.gateway.output import Chunk, OutputAssembler, OutputOptions
 from services.gateway.prompt_encoder import DEFAULT_THREADS, PromptEncoder
+from services.gateway.relay import Interrupted, Relay, restate_usage
 from services.gateway.request import GenerationRequest, ServedModel, new_request_id
 from services.gateway.validation import check_prompt_length, validate_request
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+_RETRY_START_S = 0.1  # a scheduler that cannot be reached before placement: first pause before the next try
+_RETRY_MAX_S = 1.0
+
+
+class Upstream:
+    """The gateway's calls to the scheduler and the workers, with the internal token and the
+    request's trace context; one channel per worker address, opened on first use."""
+
+    def __init__(self, scheduler: grpc.aio.Channel,
+                 open_channel: Callable[[str], grpc.aio.Channel] = internal_channel) -> None:
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(scheduler)
+        self._scheduler_channel = scheduler
+        self._open_channel = open_channel
+        self._workers: dict[str, worker_pb2_grpc.TokenStreamServiceStub] = {}
+
+    def scheduler_reachable(self) -> bool:
+        """False while the channel to the scheduler has no connection (a refused or failed call did
+        not reach it; one that did is the scheduler's own answer)."""
+        return self._scheduler_channel.get_state() == grpc.ChannelConnectivity.READY
+
+    def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
+               metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
+        stub = self._workers.get(address)
+        if stub is None:
+            stub = self._workers[address] = worker_pb2_grpc.TokenStreamServiceStub(self._open_channel(address))
+        return stub.Stream(request, timeout=timeout, metadata=metadata)
 
 
 class Generation:
@@ -48,7 +84,10 @@ class Generation:
         request_id: str,
         trace_id: str,
         prompt_token_ids: list[int],
-        submit: Callable[[], grpc.aio.UnaryStreamCall],
+        upstream: Upstream,
+        submit: scheduler_pb2.SubmitRequest,
+        metadata: tuple[tuple[str, str], ...],
+        deadline: float,
         assembler: OutputAssembler,
         span: trace.Span,
         timings: TokenTimings,
@@ -57,11 +96,15 @@ class Generation:
         self.request_id = request_id
         self.trace_id = trace_id
         self.prompt_token_ids = prompt_token_ids
+        self._upstream = upstream
         self._submit = submit
+        self._metadata = metadata
+        self._deadline = deadline  # time.monotonic()
         self._assembler = assembler
         self._span = span
         self._metrics = metrics
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._relay = Relay(request_id)
+        self._attempt: Attempt | None = None
         self._timings = timings
         self._closed = False
         self._finished = False  # a finish reason arrived
@@ -72,19 +115,14 @@ class Generation:
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
         try:
-            self._call = self._submit()
-            async for event in self._call:
-                if self._assembler.finished:
-                    continue  # read the stream to its end: the request completed upstream
+            async for event in self._events():
                 chunk = self._assembler.on_event(event)
                 if chunk is None:
                     continue
                 self._record(chunk)
                 yield chunk
-                if chunk.stop_string is not None:
-                    return  # cancels the request upstream at once
-            if not self._assembler.finished:
-                raise Unavailable(f"the scheduler ended request {self.request_id}'s stream before it finished")
+                if chunk.stop_string is not None or self._assembler.finished:
+                    return  # a stop string cancels the request upstream at once
         except grpc.aio.AioRpcError as exc:
             raise self._failed(error_from_rpc(exc)) from None
         except TandemError as exc:
@@ -92,13 +130,72 @@ class Generation:
         finally:
             self.close()
 
+    async def _events(self) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The request's events in output order, across the attempts its lost workers make it take."""
+        while True:
+            self._attempt = await self._place()
+            try:
+                async for event in self._relay.events(self._remaining):
+                    yield self._restated(event)
+                return
+            except Interrupted:
+                self._attempt.close()
+                self._submit.migration += 1
+                self._submit.delivered_token_ids[:] = self._relay.tokens
+                self._submit.sampling.seed = self._attempt.placement.seed
+
+    async def _place(self) -> Attempt:
+        """Submit the request (again, while the scheduler cannot be reached) and start reading its
+        workers' streams once the scheduler says where it runs."""
+        backoff = _RETRY_START_S
+        while True:
+            call = self._upstream.scheduler.Submit(self._submit, timeout=self._remaining(), metadata=self._metadata)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                unreached = exc.code() == grpc.StatusCode.UNAVAILABLE and not self._upstream.scheduler_reachable()
+                if not unreached or self._remaining() <= backoff:
+                    raise
+                log.info("request %s: the scheduler cannot be reached (%s); submitting again in %.1f s",
+                         self.request_id, exc.details(), backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, _RETRY_MAX_S)
+                continue
+            if first is grpc.aio.EOF or not first.HasField("placement"):
+                call.cancel()
+                raise Unavailable(f"the scheduler ended request {self.request_id}'s call before placing it")
+            attempt = Attempt(call, first.placement, self._relay)
+            attempt.start(lambda address, request: self._upstream.stream(
+                address, request, self._remaining(), self._metadata))
+            return attempt
+
+    def _remaining(self) -> float:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.request_id}: its deadline passed after "
+                                   f"{self._relay.next_offset} token(s)")
+        return left
+
+    def _restated(self, event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+        """The final event with the usage and timings the client gets."""
+        if event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            return event
+        if self._relay.base:
+            restate_usage(event.usage, len(self.prompt_token_ids), event.output_offset + len(event.token_ids))
+        if self._attempt is not None:
+            event.timings.queue_ms = self._attempt.placement.queue_ms
+        if self._timings.ttft_s is not None:
+            event.timings.time_to_first_token_ms = self._timings.ttft_s * 1000
+        event.timings.total_ms = (time.time_ns() - self._timings.start_ns) / 1e6
+        return event
+
     def close(self) -> None:
         """Cancel the upstream request (a no-op once it finished) and end the span; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._call is not None:
-            self._call.cancel()
+        if self._attempt is not None:
+            self._attempt.close(finished=self._assembler.finished and self._relay.closed)
         if not self._finished:
             telemetry.record_abandoned(self._span, self._metrics, len(self.prompt_token_ids), self._timings.num_tokens,
                                        self._elapsed_s(), failed=self._error_recorded)
@@ -131,7 +228,7 @@ class Generation:
 
 
 class GenerationPipeline:
-    """Starts generations for one served model against one scheduler.
+    """Starts generations for one served model against one scheduler and its workers.
 
     `start` does all validation and tokenization before anything goes upstream; the Submit call
     begins when the returned Generation is first iterated. `close()` when done with it.
@@ -141,7 +238,7 @@ class GenerationPipeline:
         self,
         codec: TextCodec,
         model: ServedModel,
-        scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
+        scheduler: grpc.aio.Channel | Upstream,
         internal_token: str | None = None,
         tracer: trace.Tracer | None = None,
         metrics: ServiceMetrics | None = None,
@@ -152,7 +249,7 @@ class GenerationPipeline:
         self.model = model
         self.limits = limits
         self._encoder = PromptEncoder(codec, tokenizer_threads)
-        self._scheduler = scheduler
+        self._upstream = scheduler if isinstance(scheduler, Upstream) else Upstream(scheduler)
         self._internal_token = internal_token
         self._tracer = tracer or trace.get_tracer(__name__)
         self._metrics = metrics
@@ -176,8 +273,10 @@ class GenerationPipeline:
         check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, self.model)
         request_id = request.request_id or new_request_id()
         timings = TokenTimings()  # TTFT and latencies count from the span's start
-        span = self._tracer.start_span(SpanName.GATEWAY, kind=trace.SpanKind.SERVER, start_time=timings.start_ns,
-                                       attributes=self._span_attributes(request, request_id))
+        attributes = self._span_attributes(request, request_id)
+        name = gateway_span_name(str(attributes[Attr.GEN_AI_OPERATION_NAME]), self.model.name)
+        span = self._tracer.start_span(name, kind=trace.SpanKind.SERVER, start_time=timings.start_ns,
+                                       attributes=attributes)
         trace_id = format(span.get_span_context().trace_id, "032x")
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
@@ -192,8 +291,7 @@ class GenerationPipeline:
         options = OutputOptions(request.sampling, request.stop, request.include_stop_str_in_output,
                                 request.skip_special_tokens)
         return Generation(
-            request_id, trace_id, prompt_token_ids,
-            lambda: self._scheduler.Submit(submit, timeout=timeout, metadata=metadata),
+            request_id, trace_id, prompt_token_ids, self._upstream, submit, metadata, time.monotonic() + timeout,
             OutputAssembler(self.codec, options, len(prompt_token_ids)),
             span,
             timings,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -23,12 +24,12 @@ from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, ad
 from services.common.tokenizer import TextCodec
 from services.common.tracing import setup_tracing
 from services.gateway import http_app, limits
-from services.gateway.generation import GenerationPipeline
+from services.gateway.generation import GenerationPipeline, Upstream
 from services.gateway.health import follow_scheduler_health
 from services.gateway.http_server import start_http
 from services.gateway.request import ServedModel
 from services.gateway.servicer import GenerateServicer
-from tandem.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
+from tandem.v1 import gateway_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
 
@@ -98,7 +99,8 @@ async def serve(config: GatewayConfig) -> None:
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
     channel = internal_channel(config.scheduler, config.internal_tls)
-    pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(channel),
+    upstream = Upstream(channel, functools.partial(internal_channel, tls=config.internal_tls))
+    pipeline = GenerationPipeline(codec, model, upstream,
                                   config.internal_token, metrics=metrics, limits=config.limits)
     server = create_server(config.host, config.port, api_keys=config.api_keys,
                            max_receive_bytes=PUBLIC_MESSAGE_BYTES,

@@ -1,8 +1,8 @@
-"""PrefillService: computes a prompt's KV and first token, reports the token at once, then ships
+"""PrefillService: computes a prompt's KV and first token, streams the token at once, then ships
 the KV to the decode worker's reserved blocks (KvTransferService.Push) and frees it here.
 
 One request's life here: queued in the engine -> prefilled (chunked, prefix cache reused) ->
-first token sampled and put on the ReportTokens stream -> KV exported layer by layer in chunks
+first token sampled and put on the request's token stream (the gateway reads it) -> KV exported layer by layer in chunks
 of at most --kv-chunk-bytes and pushed -> blocks released (full ones stay cached) -> the
 prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it is.
 """
@@ -83,7 +83,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         ids = list(request.token_ids)
         runtime = self.runtime
         job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
-        runtime.track(job.tracked, awaited=True)
+        runtime.track(job.tracked, awaited=True, hands_on=True)
         runtime.spans.follow(rid, trace.get_current_span())
         output: RequestOutput | None = None
         done = False

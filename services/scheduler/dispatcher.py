@@ -1,26 +1,27 @@
-"""The life of a request in the scheduler, from its Submit call to the end of its stream.
+"""The life of a request in the scheduler, from its Submit call to the end of the call.
 
-Model: a request waits its turn in the queue (admission.py) until it may run and a decode worker
-has room for its KV, or is refused; then it is routed, started on its workers (launcher.py), and
-relayed until its final event: token 0 from the prefill worker, the rest from the decode worker,
-each on its own ReportTokens stream (or all from a colocated one). A request whose Reserve every
-decode worker refused for lack of blocks goes back to the head of the queue until one reports
-room. When the decode or colocated worker generating a started request is lost (or its prefill
-worker, before the first token came back), the request moves: with migration on, its continuation
-(migration.py) is placed like a new request, at the head of the queue if no decode worker has room,
-and the relay goes on at the same output offset. Whatever ends the stream (final event, Abort,
-error, the call cancelled, the deadline), `_close` runs exactly once: the request leaves every
-table, what workers still hold for it is aborted unless it finished, and a decode reservation it
-never used is released.
+Model: the scheduler decides and accounts; it carries no tokens. A request waits its turn in the
+queue (admission.py) until it may run and a decode worker has room for its KV, or is refused; then
+it is routed, started on its workers (launcher.py), and its Placement goes to the gateway, which
+reads the tokens from the workers itself. The call then stays open until the request ends
+(ending.py): the workers report each request's first and final event on their ReportTokens
+streams, which is all the accounting needs. A request whose Reserve every decode worker refused
+for lack of blocks goes back to the head of the queue until one reports room. When the decode or
+colocated worker generating a started request is lost (or its prefill worker, before the first
+token), the gateway is told (AttemptLost) and submits the continuation: the same request id with
+the tokens it delivered and `migration` counting the moves; with migration on, it is placed like a
+new request under a new attempt id (migration.py), at the head of the queue if no decode worker
+has room. Whatever ends the call (final event, Abort, error, the call cancelled, the deadline, a
+lost worker), `_close` runs exactly once: the request leaves every table, what workers still hold
+for it is aborted unless it finished, and a decode reservation it never used is released.
 
-Failures reach the gateway as the Submit call's gRPC status, never as an in-band error event,
-with a stable message naming the request id (failures.py; the detail goes to the log and span):
-INVALID_ARGUMENT when the prompt's KV fits on no decode worker; RESOURCE_EXHAUSTED with the retry
-hint from the queue's drain rate (trailing `retry-after`, whole seconds, and `retry-after-ms`)
-when the queue is full; UNAVAILABLE when a worker holding the request is lost (its token stream
-ends, its heartbeat lapses, or a call to it is cut) and the request cannot move (migration off,
-presence or frequency penalties after its first token, no worker left), or no worker can serve
-it; DEADLINE_EXCEEDED; a worker's own status code otherwise; INTERNAL for anything unexpected.
+Failures reach the gateway as the Submit call's gRPC status, with a stable message naming the
+request id (failures.py; the detail goes to the log and span): INVALID_ARGUMENT when the prompt's
+KV fits on no decode worker; RESOURCE_EXHAUSTED with the retry hint from the queue's drain rate
+(trailing `retry-after`, whole seconds, and `retry-after-ms`) when the queue is full; UNAVAILABLE
+when a continuation cannot move (migration off, presence or frequency penalties after its first
+token, too many moves), or no worker can serve the request; DEADLINE_EXCEEDED; a worker's own
+status code otherwise; INTERNAL for anything unexpected.
 
 A request's Status (inflight.py) moves forward as it goes: PENDING, PREFILLING once started on its
 workers, GENERATING at its first token, DECODING at its decode worker's first report, CLOSED.
@@ -42,18 +43,17 @@ from opentelemetry import trace
 from services.common.errors import DeadlineExceeded, InvalidRequest, Overloaded, TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.spans import Event
-from services.common.tracing import Attr, SpanName, TokenTimings, extract_context
+from services.common.tracing import Attr, SpanName, extract_context
 from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.scheduler import failures, migration
 from services.scheduler.admission import Admission, TicketState
 from services.scheduler.deadline import Deadline
+from services.scheduler.ending import Ending, Lost
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
-from services.scheduler.outgoing import outgoing
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.relay import Interrupted, Relay
 from services.scheduler.router import cached_tokens
 from services.scheduler.stats import Counters, Outcome, snapshot
 from services.scheduler.streams import TokenStreams
@@ -113,24 +113,26 @@ class Dispatcher:
     # -- a request -----------------------------------------------------------------------------
 
     async def submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """The request's events, in order, up to the final one; every failure raises TandemError."""
-        if request.request_id in self.inflight:
-            raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight; ids must be unique")
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        """The request's Placement once it runs, then AttemptLost if its worker is lost; returns when
+        the request ends. Every failure raises TandemError."""
         state = self._open(request, context)
-        context.add_done_callback(lambda _: self._close(state))  # also when the stream is cut mid-write
+        context.add_done_callback(lambda _: self._close(state))  # also when the call is cut mid-write
         try:
+            if request.migration:
+                self._check_may_move(state)
             await self._place(state)
-            with self._relay_span(state) as timings:
-                while True:
-                    try:
-                        async for event in state.relay.events(state.deadline.remaining):
-                            if event.token_ids:
-                                timings.record(len(event.token_ids))
-                            yield outgoing(state, event, time.monotonic())
-                        break
-                    except Interrupted as interruption:
-                        await self._resume(state, interruption)
+            if not state.placement.launched:
+                return  # aborted while it waited
+            if request.migration:
+                self._count_migration(state)
+            yield scheduler_pb2.SubmitEvent(placement=self._placement(state))
+            with self._running_span(state):
+                lost = await state.ending.wait(state.deadline.remaining)
+            if lost is not None:
+                state.moved = True
+                yield scheduler_pb2.SubmitEvent(lost=scheduler_pb2.AttemptLost(worker_id=lost.worker_id,
+                                                                               reason=str(lost.error)))
         except TandemError as error:
             state.error = error
             raise
@@ -146,19 +148,24 @@ class Dispatcher:
             self._close(state)
 
     def abort(self, request_ids: list[str]) -> list[str]:
-        """End these requests' streams with FINISH_REASON_ABORT (their workers are told on close)."""
+        """End these requests' Submit calls (OK; their workers are told on close)."""
         aborted = []
         for request_id in request_ids:
             state = self.inflight.get(request_id)
-            if state is None or state.relay.closed:
+            if state is None or state.ending.closed:
                 continue
-            state.relay.finish(common_pb2.FINISH_REASON_ABORT)
+            state.finish_reason = common_pb2.FINISH_REASON_ABORT
+            state.ending.finish()
             if state.ticket is not None and state.ticket.state is TicketState.WAITING:
                 self.admission.leave(state.ticket)
             aborted.append(request_id)
         return aborted
 
     def _open(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> RequestState:
+        if request.migration:
+            self._take_over(request.request_id)
+        if request.request_id in self.inflight:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight; ids must be unique")
         span = self._tracer.start_span(
             SpanName.SCHEDULER_SUBMIT, context=extract_context(context.invocation_metadata()),
             kind=trace.SpanKind.SERVER,
@@ -166,10 +173,54 @@ class Dispatcher:
         sampling = request.sampling
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(_SEED_BITS)
         deadline = Deadline.of(context.time_remaining(), request.deadline_unix_ms)
-        state = RequestState(request, deadline, span, Relay(request.request_id), Placement(request), seed=seed)
+        placement = Placement(request)
+        if request.migration:
+            attempt_id = migration.attempt_id(request.request_id, request.migration, self.inflight)
+            placement = Placement(migration.continuation(request, request.delivered_token_ids, attempt_id))
+        state = RequestState(request, deadline, span, Ending(request.request_id), placement, seed=seed,
+                             migrations=request.migration)
         self.inflight.add(state)
-        self.counters.submitted += 1
+        if not request.migration:
+            self.counters.submitted += 1
         return state
+
+    def _take_over(self, request_id: str) -> None:
+        """A continuation arrived: the lost attempt's call may not have ended yet; end it now."""
+        old = self.inflight.get(request_id)
+        if old is not None:
+            old.moved = True
+            self._close(old)
+
+    def _check_may_move(self, state: RequestState) -> None:
+        """A continuation moves on only with migration on and nothing against it (migration.refusal)."""
+        request = state.request
+        delivered = len(request.delivered_token_ids)
+        refusal = "migration is off" if not self._migration else migration.refusal(
+            request, delivered, request.migration - 1)
+        if refusal is None:
+            return
+        log.info("request %s cannot move to another worker: %s", state.request_id, refusal)
+        raise Unavailable(f"request {state.request_id}: a worker serving it was lost after {delivered} "
+                          f"token(s) and it cannot move on ({refusal}); retry the request")
+
+    def _count_migration(self, state: RequestState) -> None:
+        self.counters.migrated += 1
+        self._metrics.num_migrations.inc()
+        state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_OFFSET: len(state.request.delivered_token_ids)})
+
+    def _placement(self, state: RequestState) -> scheduler_pb2.Placement:
+        placement = state.placement
+        generator = placement.prefill if placement.colocated else placement.decode
+        assert generator is not None and placement.prefill is not None
+        event = scheduler_pb2.Placement(
+            attempt_id=placement.attempt_id, generator_worker_id=generator.info.worker_id,
+            generator_address=generator.info.address, queue_ms=state.queued_s * 1000, seed=state.seed)
+        if not placement.colocated:
+            event.prefill_worker_id = placement.prefill.info.worker_id
+            event.prefill_address = placement.prefill.info.address
+        if state.route is not None:
+            event.route.CopyFrom(state.route)
+        return event
 
     async def _place(self, state: RequestState) -> None:
         """Wait for the request's turn, then route and start it; back to the head of the queue while
@@ -190,20 +241,6 @@ class Dispatcher:
             if not await self._wait_turn(state):
                 return
 
-    async def _resume(self, state: RequestState, interruption: Interrupted) -> None:
-        """Start the continuation _attempt_lost placed; the loss's error when no worker can take it."""
-        if room(self.registry, self.inflight, state.placement.request) is Room.NEVER:
-            raise interruption.error
-        try:
-            await self._start_in_turn(state)
-        except Unavailable:
-            raise interruption.error from None
-        if not state.placement.launched:
-            return  # aborted before the continuation started (one that started may finish at once)
-        self.counters.migrated += 1
-        self._metrics.num_migrations.inc()
-        self._update_gauges()
-
     async def _wait_turn(self, state: RequestState) -> bool:
         """Wait until the ticket is let in; False when the request left the queue (aborted)."""
         assert state.ticket is not None
@@ -216,7 +253,7 @@ class Dispatcher:
                                        f"queue ({self.admission.waiting} waiting)") from None
         if not state.migrations:
             state.queued_s = time.monotonic() - state.arrival
-        return turn and not state.relay.closed
+        return turn and not state.ending.closed
 
     def _ready(self, state: RequestState) -> bool:
         """The request's KV may fit now (or will never: routing then refuses it at once)."""
@@ -232,7 +269,7 @@ class Dispatcher:
         self._check_fits(state)
         with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
             plan = await plan_route(self.registry, self.inflight, state.placement.request)
-            if state.relay.closed:
+            if state.ending.closed:
                 return True
             self._assign_prefill(state, plan)
             decode, block_ids = None, []
@@ -240,7 +277,7 @@ class Dispatcher:
                 reserved = await self._launcher.reserve(state, plan)
                 if reserved is None:
                     span.set_attribute(Attr.ROUTE_SCORES, plan.scores_json())
-                    return state.relay.closed
+                    return state.ending.closed
                 decode, block_ids = reserved
             state.route = plan.route_info(state.request_id, decode.worker_id if decode else "",
                                           state.placement.reserved_blocks)
@@ -248,7 +285,7 @@ class Dispatcher:
             span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
                                  Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
                                  Attr.ROUTE_SCORES: plan.scores_json()})
-        if state.relay.closed:
+        if state.ending.closed:
             return True
         self.inflight.advance(state, Status.PREFILLING)
         state.placement.launched = True
@@ -274,11 +311,12 @@ class Dispatcher:
         reservation_unused = state.status < Status.DECODING
         if not self.inflight.close(state):
             return
-        state.relay.finish(common_pb2.FINISH_REASON_ABORT)  # nothing more is delivered
+        state.ending.finish()  # nothing more is waited for
         if state.ticket is not None:
             self.admission.leave(state.ticket)
         outcome = _outcome(state)
-        self.counters.outcomes[outcome] += 1
+        if outcome is not None:
+            self.counters.outcomes[outcome] += 1
         if outcome is Outcome.COMPLETED:
             if reservation_unused:
                 self._launcher.release(state)
@@ -295,51 +333,39 @@ class Dispatcher:
     # -- token events and lost attempts ---------------------------------------------------------
 
     def on_token_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
-        """One iteration's events from a worker's ReportTokens stream, to their requests' relays."""
+        """One iteration's first and final events from a worker's ReportTokens stream."""
         for event in batch.events:
             state = self.inflight.by_attempt(event.request_id)
-            if state is not None:  # else it ended already (aborted, failed, moved): late tokens are dropped
+            if state is not None:  # else it ended already (aborted, failed, moved): late reports are dropped
                 self._deliver(state, state.placement, worker_id, event)
 
     def _deliver(self, state: RequestState, placement: Placement, worker_id: str,
                  event: scheduler_pb2.TokenEvent) -> None:
-        """An event of the attempt `placement` from `worker_id`, to the request's relay if that
-        attempt is still current; the first token and the decode worker's first report advance it."""
-        if state.placement is not placement:
+        """A report on the attempt `placement` from `worker_id`, if that attempt is still current: the
+        first token and the decode worker's first report advance it, a final event ends it."""
+        if state.placement is not placement or state.ending.closed:
             return
-        event.request_id = state.request_id
-        if not event.worker_id:
-            event.worker_id = worker_id
         if event.finish_reason == _ERROR:
-            state.relay.fail(failures.from_event(state, event))
+            event.worker_id = event.worker_id or worker_id
+            state.ending.fail(failures.from_event(state, event))
             return
-        if event.output_offset == 0:
+        if event.output_offset == 0 and event.token_ids:
             self.inflight.advance(state, Status.GENERATING)
         if placement.decode is not None and worker_id == placement.decode.info.worker_id:
             self.inflight.advance(state, Status.DECODING)
-        state.relay.push(event)
+        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            state.finish_reason = event.finish_reason
+            state.output_tokens = event.usage.completion_tokens
+            state.ending.finish()
 
     def _attempt_lost(self, state: RequestState, placement: Placement, error: TandemError) -> bool:
-        """A worker of the request's attempt was lost: move the request to a continuation (True),
-        which its Submit stream starts when the relay reaches the interruption, or fail it with
-        `error`. An attempt that is no longer current changes nothing."""
-        if state.placement is not placement or state.relay.closed:
+        """A worker of the request's attempt was lost: the gateway is told, and submits the
+        continuation (True). An attempt that is no longer current changes nothing."""
+        if state.placement is not placement or state.ending.closed:
             return False
-        delivered = state.relay.next_offset
-        refusal = "migration is off" if not self._migration else migration.refusal(
-            state.request, delivered, state.migrations)
-        if refusal is not None:
-            log.info("request %s cannot move to another worker: %s", state.request_id, refusal)
-            state.relay.fail(error)
-            return False
-        state.migrations += 1
-        attempt_id = migration.attempt_id(state.request_id, state.migrations, self.inflight)
-        moved = migration.continuation(state.request, state.relay.tokens, attempt_id)
-        old = self.inflight.move(state, Placement(moved))
-        self._launcher.abort(state, old, "the request moved to another worker")
-        state.relay.interrupt(error)
-        state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_FROM: old.generator_id or "",
-                                              Attr.MIGRATION_OFFSET: delivered})
+        worker_id = placement.generator_id or ""
+        state.ending.lose(Lost(worker_id, error))
+        state.span.add_event(Event.MIGRATED, {Attr.MIGRATION_FROM: worker_id})
         return True
 
     # -- helpers -------------------------------------------------------------------------------
@@ -356,19 +382,17 @@ class Dispatcher:
             span.end()
 
     @contextmanager
-    def _relay_span(self, state: RequestState) -> Iterator[TokenTimings]:
-        """The relay of the request's events back to the gateway: a span with the timings of the
-        tokens as they passed through (record them on the yielded TokenTimings)."""
-        timings = TokenTimings()
+    def _running_span(self, state: RequestState) -> Iterator[None]:
+        """The request running on its workers, from its placement to its end (the `scheduler.relay`
+        span: the tokens flow beside it, from the workers to the gateway)."""
         with self._child_span(state, SpanName.RELAY) as span:
             try:
-                yield timings
+                yield
             finally:
-                span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, timings.num_tokens)
+                span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, state.output_tokens)
                 reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
                 if reason is not None:
                     span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
-                timings.annotate(span)
 
     def _let_in(self) -> None:
         """Capacity or a worker's room may have grown: let waiting requests in."""
@@ -386,7 +410,11 @@ class Dispatcher:
         return task
 
 
-def _outcome(state: RequestState) -> Outcome:
+def _outcome(state: RequestState) -> Outcome | None:
+    """How the request counts in the stats; None for an attempt whose worker was lost (its
+    continuation counts)."""
+    if state.moved and state.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
     if state.finish_reason in _FINISHED:
         return Outcome.COMPLETED
     if state.finish_reason == common_pb2.FINISH_REASON_ABORT:
@@ -399,6 +427,8 @@ def _outcome(state: RequestState) -> Outcome:
 
 
 def _abort_reason(state: RequestState) -> str:
+    if state.moved:
+        return "the request moved to another worker"
     if state.finish_reason == common_pb2.FINISH_REASON_ABORT:
         return "aborted"
     if isinstance(state.error, DeadlineExceeded):

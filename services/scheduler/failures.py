@@ -56,8 +56,7 @@ def from_event(state: RequestState, event: scheduler_pb2.TokenEvent) -> TandemEr
 
 def lost(state: RequestState, worker_id: str, reason: str) -> Unavailable:
     _note(state, f"worker {worker_id} was lost ({reason}) while it held the request", "Unavailable")
-    return Unavailable(f"request {state.request_id}: a worker serving it was lost after "
-                       f"{state.relay.next_offset} token(s); retry the request")
+    return Unavailable(f"request {state.request_id}: a worker serving it was lost; retry the request")
 
 
 def interrupted(state: RequestState) -> Unavailable:

@@ -1,11 +1,11 @@
 """The requests this scheduler holds, and the load their placements put on workers.
 
 A request enters the table when its Submit call arrives (it may wait in the queue first) and
-leaves when its Submit stream ends, whatever the outcome. Its Status moves forward only, and only
-through this table (advance, move, close). Its progress (status, relay, timings, outcome) lives on
-the RequestState; where it runs lives on its Placement, one per attempt: the
-workers know an attempt by its own id (the request id, then one per migration), and only the
-current attempt's events reach the request. `holders` are the workers that may hold state for the
+leaves when its Submit call ends, whatever the outcome. Its Status moves forward only, and only
+through this table (advance, close). Its progress (status, ending, outcome) lives on the
+RequestState; where it runs lives on its Placement: the workers know an attempt by its own id (the
+request id, then `REQUEST_ID#migrated-N` for the continuation the gateway submits after a lost
+worker, a record of its own), and only the current attempt's reports reach the request. `holders` are the workers that may hold state for the
 attempt (a prefill worker until its Prefill call returns, the decode or colocated worker until the
 end): if one is lost, the attempt ends (the request moves, or fails).
 """
@@ -23,18 +23,18 @@ from opentelemetry import trace
 from services.common.store import WorkerRecord
 from services.scheduler.admission import Ticket
 from services.scheduler.deadline import Deadline
-from services.scheduler.relay import Relay
+from services.scheduler.ending import Ending
 from tandem.v1 import common_pb2, scheduler_pb2
 
 
 class Status(IntEnum):
-    """Where a request stands, in order. A migration starts the new attempt over at PENDING."""
+    """Where a request stands, in order."""
 
     PENDING = 0  # waiting in the queue, or being routed and reserved
     PREFILLING = 1  # started on its workers; the attempt's first token has not come back
     GENERATING = 2  # the first token came back; the decode worker has not reported (its reservation is unused)
     DECODING = 3  # the decode worker reported: its reservation is in use
-    CLOSED = 4  # the Submit stream ended: nothing more is delivered or started
+    CLOSED = 4  # the Submit call ended: nothing more is started
 
 
 @dataclass(slots=True)
@@ -70,23 +70,22 @@ class Placement:
 
 @dataclass(slots=True)
 class RequestState:
-    """One request from admission to the end of its Submit stream."""
+    """One request (or one continuation of it) from admission to the end of its Submit call."""
 
-    request: scheduler_pb2.SubmitRequest
+    request: scheduler_pb2.SubmitRequest  # as the gateway sent it (a continuation's with its delivered tokens)
     deadline: Deadline
     span: trace.Span
-    relay: Relay
+    ending: Ending
     placement: Placement
     status: Status = Status.PENDING  # written by InflightTable only
     seed: int = 0
     arrival: float = field(default_factory=time.monotonic)
     queued_s: float = 0.0
     ticket: Ticket | None = None  # its place in the waiting queue, then its running slot
-    migrations: int = 0
+    migrations: int = 0  # moves before this attempt (SubmitRequest.migration)
     route: scheduler_pb2.RouteInfo | None = None
-    timings: common_pb2.RequestTimings = field(default_factory=common_pb2.RequestTimings)
-    first_token_at: float | None = None
-    events_sent: int = 0
+    moved: bool = False  # its worker was lost: a continuation carries the request on
+    output_tokens: int = 0  # as the final report counted them
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: Exception | None = None
 
@@ -132,15 +131,6 @@ class InflightTable:
         """Move the request forward to `status` (never back; a closed request stays closed)."""
         if state.status < status < Status.CLOSED:
             state.status = status
-
-    def move(self, state: RequestState, placement: Placement) -> Placement:
-        """Start a new attempt at PENDING on `placement`; the old attempt's id leaves the table. Returns the old one."""
-        old = state.placement
-        self._attempts.pop(old.attempt_id, None)
-        state.placement = placement
-        state.status = Status.PENDING
-        self._attempts[placement.attempt_id] = state
-        return old
 
     def close(self, state: RequestState) -> bool:
         """CLOSED: the request leaves the table. False when it had already (close once)."""

@@ -72,7 +72,7 @@ class Launcher:
         unreachable: Unavailable | None = None
         short = False
         for score in plan.decode:
-            if state.relay.closed:
+            if state.ending.closed:
                 return None
             if not self._registry.is_live(score.worker_id):
                 continue
@@ -155,7 +155,7 @@ class Launcher:
                                                              deadline_bound=timeout < PREFILL_TIMEOUT_S))
             return
         except TandemError as exc:
-            state.relay.fail(exc)
+            state.ending.fail(exc)
             return
         except asyncio.CancelledError:
             if failures.caller_cancelled():
@@ -163,11 +163,9 @@ class Launcher:
             self._failed(state, placement, failures.cut(state, prefill, "Prefill"))
             return
         except Exception as exc:
-            state.relay.fail(failures.internal(state, exc))
+            state.ending.fail(failures.internal(state, exc))
             return
         placement.holders.pop(prefill.info.worker_id, None)
-        state.timings.prefill_ms = response.timings.compute_ms
-        state.timings.kv_transfer_ms = response.transfer.duration_ms
         for event in prefill_events(state, response):
             self._deliver(state, placement, prefill.info.worker_id, event)
 
@@ -176,7 +174,7 @@ class Launcher:
         if isinstance(error, Unavailable):
             self._on_lost(state, placement, error)
         elif state.placement is placement:
-            state.relay.fail(error)
+            state.ending.fail(error)
 
     async def _abort_holders(self, state: RequestState, placement: Placement, reason: str) -> None:
         if placement.landing is not None:

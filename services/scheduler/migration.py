@@ -1,11 +1,12 @@
 """Migration: a request whose generating worker was lost goes on from where its stream stands.
 
-Model: the scheduler relays every token, so it knows the tokens delivered so far. The continuation
+Model: the gateway reads the tokens, so it knows the ones delivered so far: when the scheduler tells
+it the attempt's worker was lost, it submits them back with the request. The continuation
 is a new request (a new attempt id on the workers, so the lost attempt's late events and aborts
 cannot touch it) whose prompt is the prompt plus those tokens, with max_tokens and min_tokens
 reduced by their count, and the same seed and cache salt. The sampler draws by absolute sequence
 position, so a seeded or greedy continuation produces the tokens the lost worker would have; the
-relay numbers its outputs from the delivered count. Presence and frequency penalties count output
+gateway's relay numbers its outputs from the delivered count. Presence and frequency penalties count output
 tokens only, and a worker cannot tell which prompt tokens were outputs: such a request moves only
 while nothing was delivered (then the continuation is the request itself).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 
 from services.common.wire import DEFAULT_MAX_TOKENS
-from tandem.v1 import common_pb2, scheduler_pb2
+from tandem.v1 import scheduler_pb2
 
 MAX_MIGRATIONS = 3  # a request that keeps losing its workers (it may be what kills them) fails after this many
 
@@ -38,6 +39,7 @@ def continuation(request: scheduler_pb2.SubmitRequest, delivered: Sequence[int],
     moved.CopyFrom(request)
     moved.request_id = attempt_id
     moved.token_ids.extend(delivered)
+    moved.ClearField("delivered_token_ids")
     sampling = moved.sampling
     limit = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     sampling.max_tokens = limit - len(delivered)
@@ -54,9 +56,3 @@ def attempt_id(request_id: str, migration: int, taken: Container[str]) -> str:
         migration += 1
     return candidate
 
-
-def restate_usage(usage: common_pb2.Usage, prompt_tokens: int, completion_tokens: int) -> None:
-    """A continuation's final usage counted its delivered tokens as prompt: count them as output again."""
-    usage.prompt_tokens = prompt_tokens
-    usage.cached_tokens = min(usage.cached_tokens, prompt_tokens)
-    usage.completion_tokens = completion_tokens

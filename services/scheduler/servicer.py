@@ -26,7 +26,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._scheduler_id = scheduler_id
 
     def Submit(self, request: scheduler_pb2.SubmitRequest,
-               context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+               context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if not request.token_ids:

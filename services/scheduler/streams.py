@@ -1,6 +1,7 @@
 """The workers' ReportTokens streams: long-lived streams, each named by the worker id of its first
-TokenBatch. A worker is lost when the last of its open streams ends: the tokens of its requests can
-no longer arrive, and `on_closed(worker_id, reason)` fails them and drops the worker. A worker that
+TokenBatch, carrying each request's first and final event (never the tokens between, which go to
+the gateway). A worker is lost when the last of its open streams ends: its requests can no longer
+be seen to end, and `on_closed(worker_id, reason)` ends their attempts and drops the worker. A worker that
 reconnects before its old stream's end is seen keeps its worker, and so does one whose id a stray
 stream also names: the stray's end means nothing while the real stream is open. (A killed or
 cancelled worker's stream may end cleanly or with an error: both mean the same here.)"""

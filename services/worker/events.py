@@ -1,8 +1,11 @@
 """Engine outputs as the wire's TokenEvents, one TokenBatch per engine iteration.
 
-The batcher tracks the requests a worker reports on (their prompt size, cached tokens, whether
+The batcher tracks the requests a worker streams (their prompt size, cached tokens, whether
 logprobs were asked, arrival and first-token times) and turns each step's outputs into one
-TokenBatch: offsets, tokens, logprobs, and on the last event the finish reason and usage.
+TokenBatch: offsets, tokens, logprobs, and on the last event the finish reason and usage. Every
+event goes to its request's token stream (the gateway's); the scheduler gets only what its
+accounting needs: each request's first event on this worker (it started: the routing load, a
+decode reservation in use) and its final one (completion), never the tokens in between.
 """
 
 from __future__ import annotations
@@ -47,7 +50,20 @@ class TrackedRequest:
     arrival_ns: int = field(default_factory=time.time_ns)
     started_ns: int | None = None  # first scheduled in an engine iteration
     first_token_ns: int | None = None  # first token produced on this worker
+    reported: bool = False  # the scheduler got its first event on this worker
     timings: common_pb2.RequestTimings = field(default_factory=common_pb2.RequestTimings)
+
+
+@dataclass(slots=True)
+class StepEvents:
+    """One step's events: all of them (for the requests' token streams), and the batch the scheduler gets."""
+
+    events: list[scheduler_pb2.TokenEvent]
+    report: scheduler_pb2.TokenBatch | None
+
+
+def _batch(step: StepResult, events: list[scheduler_pb2.TokenEvent]) -> scheduler_pb2.TokenBatch:
+    return scheduler_pb2.TokenBatch(iteration=step.iteration, events=events, batch_size=step.batch_size)
 
 
 class TokenBatcher:
@@ -67,21 +83,24 @@ class TokenBatcher:
         self._unstarted.discard(request_id)
         return self.requests.pop(request_id, None)
 
-    def batch(self, step: StepResult) -> scheduler_pb2.TokenBatch | None:
-        """The step's events (None when no tracked request produced a token); final ones are forgotten."""
+    def batch(self, step: StepResult) -> StepEvents:
+        """The step's events, for the streams and for the scheduler; final ones are forgotten."""
         self._note_started(step)
         now = time.time_ns()
-        events = []
+        events, report = [], []
         for output in step.outputs:
             tracked = self.requests.get(output.request_id)
             if tracked is None:
                 continue
-            events.append(self.event(output, tracked, now))
-            if is_final(output.finish_reason):
+            event = self.event(output, tracked, now)
+            events.append(event)
+            final = is_final(output.finish_reason)
+            if final or not tracked.reported:
+                tracked.reported = True
+                report.append(event)
+            if final:
                 self.forget(output.request_id)
-        if not events:
-            return None
-        return scheduler_pb2.TokenBatch(iteration=step.iteration, events=events, batch_size=step.batch_size)
+        return StepEvents(events, _batch(step, report) if report else None)
 
     def _note_started(self, step: StepResult) -> None:
         if not self._unstarted:
@@ -114,3 +133,4 @@ class TokenBatcher:
             tracked.timings.decode_ms = ms_between(tracked.first_token_ns, now_ns)
         event.timings.CopyFrom(tracked.timings)
         return event
+

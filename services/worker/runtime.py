@@ -1,5 +1,6 @@
 """What every worker role shares around its engine: the engine thread, the KV hand-off, the
-token stream, the registry membership, the prefix-cache reports, the request spans, metrics, and
+requests' token streams to the gateway, their start and end reports to the scheduler, the registry
+membership, the prefix-cache reports, the request spans, metrics, and
 the load and stats it publishes.
 
 A role's servicer (prefill, decode, colocated) calls into the runtime and awaits what it needs
@@ -29,6 +30,7 @@ from services.worker.reporter import TokenReporter
 from services.worker.request_spans import RequestSpans
 from services.worker.request_waiters import RequestWaiters
 from services.worker.stats import update_metrics, worker_stats
+from services.worker.token_streams import RequestStreams
 from tandem.v1 import scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class WorkerRuntime:
         self.metrics = metrics
         self.batcher = TokenBatcher(identity.worker_id)
         self.spans = RequestSpans()
+        self.streams = RequestStreams(self._abandoned)
         self._waiters = RequestWaiters()
         self.loop = EngineLoop(engine, self._on_step, self._on_failure)
         self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
@@ -111,10 +114,12 @@ class WorkerRuntime:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def track(self, request: TrackedRequest, *, awaited: bool = False) -> None:
-        """Reports the request's tokens from now on; call before the engine gets it. `awaited`: its
-        handler awaits `first_output`/`until_aborted` and calls `forget` when done with it."""
+    def track(self, request: TrackedRequest, *, awaited: bool = False, hands_on: bool = False) -> None:
+        """Streams the request's tokens from now on; call before the engine gets it. `awaited`: its
+        handler awaits `first_output`/`until_aborted` and calls `forget` when done with it.
+        `hands_on`: its stream ends at output token 0 (a prefill worker)."""
         self.batcher.track(request)
+        self.streams.open(request.request_id, hands_on=hands_on)
         if awaited:
             self._waiters.open(request.request_id)
 
@@ -144,6 +149,7 @@ class WorkerRuntime:
         waited = [r for r in ids if self._waiters.abort(r)]
         for request_id in ids:
             self.batcher.forget(request_id)
+            self.streams.drop(request_id, "aborted")
             self.spans.end(request_id, "abort")
             self.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
         if not ids:
@@ -167,11 +173,13 @@ class WorkerRuntime:
     def _on_step(self, step: StepResult) -> None:
         self.blocks.note(step.stored, step.evicted)
         self.blocks.flush_soon()
-        batch = self.batcher.batch(step)
-        if batch is not None and self.reporter is not None:
-            self.reporter.send(batch)
+        produced = self.batcher.batch(step)
+        for event in produced.events:
+            self.streams.push(event)
+        if produced.report is not None and self.reporter is not None:
+            self.reporter.send(produced.report)
         if self.metrics is not None:
-            update_metrics(self.metrics, step.snapshot, self._previous, batch.events if batch is not None else ())
+            update_metrics(self.metrics, step.snapshot, self._previous, produced.events)
         self._previous = step.snapshot.counters
         self.spans.on_step(step)
         self._waiters.note(step.outputs)
@@ -179,6 +187,11 @@ class WorkerRuntime:
     def _on_failure(self, exc: BaseException) -> None:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
         self.failed.set()
+
+    def _abandoned(self, request_id: str) -> None:
+        """Nobody reads the request's tokens (its gateway never attached, or left): drop it."""
+        log.info("request %s: no gateway reads its tokens; aborting it", request_id)
+        asyncio.ensure_future(self.abort([request_id]))
 
     def _on_lost(self) -> None:
         asyncio.ensure_future(self.abort_all("the scheduler lost this worker's token stream"))

@@ -1,5 +1,6 @@
 """What the three worker servicers share: the runtime they serve once the model is loaded, the
-Stats and Abort RPCs, and the checks on an incoming request.
+Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream), and the
+checks on an incoming request.
 
 The gRPC server starts before the model loads (health says NOT_SERVING meanwhile), so a servicer
 exists before its runtime and holds the future that resolves to it; an RPC that arrives in
@@ -9,13 +10,16 @@ between gets UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.sampling_params import SamplingParams
 from services.common.wire import DEFAULT_MAX_TOKENS, abort_ids, sampling_from_proto
 from services.worker.runtime import WorkerRuntime
-from tandem.v1 import common_pb2, worker_pb2
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
+
+# Every role serves it (with its role's own services): the gateway reads the requests' tokens there.
+TOKEN_STREAM_SERVICE = ("tandem.v1.TokenStreamService", worker_pb2_grpc.add_TokenStreamServiceServicer_to_server)
 
 
 class WorkerServicerBase:
@@ -36,6 +40,13 @@ class WorkerServicerBase:
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted_ids=await self.runtime.abort(abort_ids(request)))
+
+    async def Stream(self, request: worker_pb2.StreamRequest, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """TokenStreamService.Stream: the request's events from this worker, for the gateway."""
+        if not request.request_id:
+            raise InvalidRequest("request_id", "is empty; pass the attempt id of the scheduler's Placement")
+        async for event in self.runtime.streams.follow(request.request_id):
+            yield event
 
 
 def check_request(request_id: str, token_ids: Iterable[int]) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "sampling", "cache_salt", "deadline_unix_ms", "trace_id")
+    __slots__ = ("request_id", "model", "token_ids", "sampling", "cache_salt", "deadline_unix_ms", "trace_id", "delivered_token_ids", "migration")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class SubmitRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,10 +25,48 @@ class SubmitRequest(_message.Message):
     cache_salt: str
     deadline_unix_ms: int
     trace_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    delivered_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    migration: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., trace_id: _Optional[str] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., migration: _Optional[int] = ...) -> None: ...
+
+class SubmitEvent(_message.Message):
+    __slots__ = ("placement", "lost")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    lost: AttemptLost
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., lost: _Optional[_Union[AttemptLost, _Mapping]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("attempt_id", "generator_worker_id", "generator_address", "prefill_worker_id", "prefill_address", "route", "queue_ms", "seed")
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    attempt_id: str
+    generator_worker_id: str
+    generator_address: str
+    prefill_worker_id: str
+    prefill_address: str
+    route: RouteInfo
+    queue_ms: float
+    seed: int
+    def __init__(self, attempt_id: _Optional[str] = ..., generator_worker_id: _Optional[str] = ..., generator_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., queue_ms: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AttemptLost(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "output_offset", "token_ids", "logprobs", "finish_reason", "usage", "error", "timings", "worker_id", "route")
+    __slots__ = ("request_id", "output_offset", "token_ids", "logprobs", "finish_reason", "usage", "error", "timings", "worker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +76,6 @@ class TokenEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -46,8 +85,7 @@ class TokenEvent(_message.Message):
     error: _common_pb2.RequestError
     timings: _common_pb2.RequestTimings
     worker_id: str
-    route: RouteInfo
-    def __init__(self, request_id: _Optional[str] = ..., output_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., output_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "cost", "cached_blocks", "queued_prefill_tokens", "free_blocks", "running")

@@ -41,7 +41,7 @@ class SchedulerServiceStub:
         self.Submit = channel.unary_stream(
                 '/tandem.v1.SchedulerService/Submit',
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.SchedulerService/Abort',
@@ -87,11 +87,14 @@ class SchedulerServiceServicer:
     """
 
     def Submit(self, request, context):
-        """Gateway -> scheduler: admits one tokenized request and streams its token
-        events until the one with finish_reason set. RESOURCE_EXHAUSTED (trailing
-        `retry-after` seconds) when the waiting queue is full; UNAVAILABLE when no
-        worker can serve it or its worker was lost. Cancelling the call aborts the
-        request on whichever worker holds it.
+        """Gateway -> scheduler: admits one tokenized request; once it is started on
+        its workers sends its Placement, then holds the call open, carrying no
+        tokens, until the request ends: OK when its worker reports the end, an
+        AttemptLost event (then OK) when the worker generating it was lost, or a
+        status. RESOURCE_EXHAUSTED (trailing `retry-after` seconds) when the
+        waiting queue is full; UNAVAILABLE when no worker can serve it, or a
+        continuation cannot move (migration off, penalties, too many moves).
+        Cancelling the call aborts the request on whichever worker holds it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,8 +147,10 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportTokens(self, request_iterator, context):
-        """Worker -> scheduler: one long-lived stream per worker; each message holds
-        the tokens of one engine iteration for all its requests.
+        """Worker -> scheduler: one long-lived stream per worker; each message holds,
+        for one engine iteration, the first and the final event of its requests
+        that started or ended in it (never the tokens in between: those go to the
+        gateway on TokenStreamService.Stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,7 +162,7 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
             'Submit': grpc.unary_stream_rpc_method_handler(
                     servicer.Submit,
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -224,7 +229,7 @@ class SchedulerService:
             target,
             '/tandem.v1.SchedulerService/Submit',
             tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-            tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from tandem.v1 import scheduler_pb2 as tandem_dot_v1_dot_scheduler__pb2
 from tandem.v1 import worker_pb2 as tandem_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -24,6 +25,90 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class TokenStreamServiceStub:
+    """Every worker: the token events of the requests it runs, read by the gateway
+    that holds the client's stream (where, the scheduler's Placement says).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stream = channel.unary_stream(
+                '/tandem.v1.TokenStreamService/Stream',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+                _registered_method=True)
+
+
+class TokenStreamServiceServicer:
+    """Every worker: the token events of the requests it runs, read by the gateway
+    that holds the client's stream (where, the scheduler's Placement says).
+    """
+
+    def Stream(self, request, context):
+        """The request's events from this worker, in order, until its last one: the
+        final event (finish_reason set) on a decode or colocated worker, output
+        token 0 on a prefill worker. Events produced before the call are held for
+        it; a request nobody attaches to within a bound is aborted. Cancelling the
+        call aborts the request here. UNAVAILABLE when the worker drops the request
+        (an Abort, a lost scheduler, shutdown); the scheduler's Submit call says why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TokenStreamServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stream': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.TokenStreamService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.TokenStreamService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TokenStreamService:
+    """Every worker: the token events of the requests it runs, read by the gateway
+    that holds the client's stream (where, the scheduler's Placement says).
+    """
+
+    @staticmethod
+    def Stream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.TokenStreamService/Stream',
+            tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+            tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
 
 class PrefillServiceStub:
@@ -60,8 +145,8 @@ class PrefillServiceServicer:
     """
 
     def Prefill(self, request, context):
-        """Prefills one request. The first token is reported on the worker's
-        ReportTokens stream (output_offset 0) the moment it is sampled, so time to
+        """Prefills one request. The first token goes on the request's token stream
+        (output_offset 0) the moment it is sampled, so time to
         first token never waits for the KV transfer; this call returns once the
         transfer is complete and repeats the first token. FAILED_PRECONDITION when
         the request's block size or model does not match; UNAVAILABLE when the
@@ -449,8 +534,8 @@ class ColocatedServiceServicer:
     """
 
     def Run(self, request, context):
-        """Admits one request; all its tokens, the first included, follow on the
-        worker's ReportTokens stream. Returns once the request is queued.
+        """Admits one request; all its tokens, the first included, follow on its
+        token stream (TokenStreamService). Returns once the request is queued.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

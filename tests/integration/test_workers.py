@@ -1,6 +1,7 @@
 """The prefill, decode and colocated workers as real processes on loopback, driven the way the
-scheduler drives them: Reserve on the decode worker, Prefill with its address, tokens on the
-workers' ReportTokens streams. A recording stand-in for the scheduler runs in this process.
+scheduler and the gateway drive them: Reserve on the decode worker, Prefill with its address, the
+tokens read from the workers' TokenStreamService (as the gateway does), each request's first and
+final event on their ReportTokens streams. A recording stand-in for the scheduler runs in this process.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.loads: dict[str, scheduler_pb2.WorkerLoad] = {}
         self.block_reports: list[scheduler_pb2.ReportBlocksRequest] = []
         self.batches: list[scheduler_pb2.TokenBatch] = []
+        self.streamed: list[scheduler_pb2.TokenEvent] = []  # read from the workers, as the gateway reads them
         self._forgotten: set[str] = set()
 
     def _record(self, update: Callable[[], None]) -> None:
@@ -91,6 +93,25 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._record(lambda: self.batches.append(batch))
         return scheduler_pb2.ReportAck(batches=count)
 
+    def read(self, worker: Worker, request_id: str) -> None:
+        """Read the request's token stream from `worker` in the background, as the gateway does."""
+        def follow() -> None:
+            stream = worker_pb2_grpc.TokenStreamServiceStub(worker.channel).Stream(
+                worker_pb2.StreamRequest(request_id=request_id), timeout=120)
+            try:
+                for event in stream:
+                    self._record(lambda: self.streamed.append(event))
+            except grpc.RpcError:
+                pass  # the worker dropped the request (an abort, a release), or the test ended
+
+        threading.Thread(target=follow, daemon=True).start()
+
+    def reported(self, worker_id: str, request_id: str) -> list[int]:
+        """The offsets of the request's events `worker_id` reported to the scheduler."""
+        with self.cond:
+            return [e.output_offset for b in self.batches if b.worker_id == worker_id for e in b.events
+                    if e.request_id == request_id]
+
     def forget(self, worker_id: str) -> None:
         with self.cond:
             self._forgotten.add(worker_id)
@@ -107,8 +128,7 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def events(self, request_id: str) -> list[scheduler_pb2.TokenEvent]:
         with self.cond:
-            return sorted((e for b in self.batches for e in b.events if e.request_id == request_id),
-                          key=lambda e: e.output_offset)
+            return sorted((e for e in self.streamed if e.request_id == request_id), key=lambda e: e.output_offset)
 
     def finished(self, request_id: str) -> list[scheduler_pb2.TokenEvent]:
         """The request's events once its final one arrived (empty list until then)."""
@@ -257,6 +277,9 @@ def reserve(mesh: Mesh, rid: str, prompt: list[int]) -> worker_pb2.ReserveRespon
 
 def prefill(mesh: Mesh, rid: str, prompt: list[int], reservation: worker_pb2.ReserveResponse | None,
             salt: str = "", max_chunk_bytes: int = 0, timeout: float = 60, **fields) -> worker_pb2.PrefillResponse:
+    mesh.recorder.read(mesh.prefill, rid)
+    if reservation is not None:
+        mesh.recorder.read(mesh.decode, rid)
     request = worker_pb2.PrefillRequest(
         request_id=rid, token_ids=prompt, sampling=sampling(**fields), seed=7, cache_salt=salt,
         decode_address=mesh.decode.address, decode_worker_id=mesh.decode.worker_id,
@@ -359,8 +382,14 @@ def test_disaggregated_greedy_matches_hf(mesh, parity_prompts, parity_references
     assert decode.reserved_blocks == 0 and decode.free_blocks + decode.cached_blocks == NUM_BLOCKS
     assert decode.max_batch_size > 1
     # Each decode iteration is one message holding all its requests' tokens.
+    # The scheduler gets each request's first and final event on each worker, none of the tokens between.
+    for rid, prompt in zip(rids, parity_prompts):
+        tokens = tokens_of(mesh.recorder.events(rid))
+        decoded = sorted({1, len(tokens) - 1}) if len(tokens) > 1 else []
+        assert mesh.recorder.wait(lambda: mesh.recorder.reported(mesh.decode.worker_id, rid) == decoded or None, 5,
+                                  f"the decode worker's reports of {rid}")
+        assert mesh.recorder.reported(mesh.prefill.worker_id, rid) == [0]
     decode_batches = [b for b in mesh.recorder.batches if b.worker_id == mesh.decode.worker_id and b.events]
-    assert max(len(b.events) for b in decode_batches) > 1
     assert all(len({e.request_id for e in b.events}) == len(b.events) for b in decode_batches)
     assert all(b.batch_size >= len(b.events) for b in decode_batches)
     assert wait_idle(mesh.prefill).referenced_blocks == 0
@@ -490,6 +519,7 @@ def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
     stub = worker_pb2_grpc.ColocatedServiceStub(mesh.colocated.channel)
     picked = [0, 2, 5]
     for i in picked:
+        mesh.recorder.read(mesh.colocated, f"colocated-{i}")
         stub.Run(worker_pb2.RunRequest(request_id=f"colocated-{i}", token_ids=parity_prompts[i],
                                        sampling=sampling(), seed=3), timeout=10)
     for i in picked:

@@ -29,7 +29,8 @@ from services.gateway.http_app import HttpConfig, create_http_app, set_serving
 from services.gateway.prompt_encoder import PromptEncoder
 from services.gateway.request import GenerationRequest, ServedModel
 from services.gateway.servicer import GenerateServicer
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from tests.placing_scheduler import PlacingScheduler
 from tests.waiting import DEADLINE_S, eventually, eventually_async
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -71,7 +72,7 @@ class GatedTokenizer:
         return self.gate
 
 
-class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
+class FakeScheduler(PlacingScheduler):
     """Submit replies REPLY (or raises `fail`); Stats lists `workers`."""
 
     def __init__(self) -> None:
@@ -79,7 +80,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.fail: TandemError | None = None
         self.workers: list[scheduler_pb2.WorkerStatus] = []
 
-    async def Submit(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+    async def events(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         self.submits.append(request)
         if self.fail is not None:
             raise self.fail
@@ -137,13 +138,13 @@ async def doors(codec: TextCodec, default_model_dir: Path) -> AsyncIterator[Door
     tracing = setup_tracing("gateway", exporter=spans, install_global=False)
     scheduler = FakeScheduler()
     scheduler_server = create_server("127.0.0.1", 0, internal_token=INTERNAL_TOKEN)
-    scheduler_server.add_service("tandem.v1.SchedulerService",
-                                 scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, scheduler)
+    scheduler.serve_on(scheduler_server)
     await scheduler_server.start()
+    scheduler.placed_at(scheduler_server.port)
     await scheduler_server.mark_serving()
     upstream = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_server.port}")
     model = ServedModel.from_model_dir(default_model_dir, codec)
-    pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(upstream), INTERNAL_TOKEN,
+    pipeline = GenerationPipeline(codec, model, upstream, INTERNAL_TOKEN,
                                   tracing.get_tracer("test"))
     gateway = create_server("127.0.0.1", 0)
     gateway.add_service("tandem.v1.GenerateService", gateway_pb2_grpc.add_GenerateServiceServicer_to_server,

@@ -18,13 +18,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.common.errors import DeadlineExceeded, Overloaded, Unavailable
 from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
-from services.common.tracing import Attr, SpanName, setup_tracing
+from services.common.spans import gateway_span_name
+from services.common.tracing import Attr, setup_tracing
 from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
 from services.gateway.main import GENERATE_SERVICE, follow_scheduler_health
 from services.gateway.request import ServedModel, salt_for_key
 from services.gateway.servicer import GenerateServicer
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from tests.placing_scheduler import PlacingScheduler
 from tests.waiting import eventually, eventually_async
 
 API_KEY = "k-test"
@@ -32,7 +34,7 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 TEXT = "The capital of France is Paris. It is a big city with many museums."
 
 
-class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
+class ScriptedScheduler(PlacingScheduler):
     """Submit streams the tokens of TEXT one event each, or fails as `cache_salt` asks; it records
     the requests, their metadata and deadlines, and which calls ended cancelled."""
 
@@ -49,7 +51,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Stats(self, request, context) -> scheduler_pb2.SchedulerStats:
         return scheduler_pb2.SchedulerStats(workers=self.workers)
 
-    async def Submit(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+    async def events(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         self.remaining.append(context.time_remaining())
@@ -92,13 +94,13 @@ async def mesh(codec, default_model_dir, spans):
     tracing = setup_tracing("gateway", exporter=spans, install_global=False)
     scheduler = ScriptedScheduler(codec)
     scheduler_server = create_server("127.0.0.1", 0)
-    scheduler_server.add_service("tandem.v1.SchedulerService",
-                                 scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, scheduler)
+    scheduler.serve_on(scheduler_server)
     await scheduler_server.start()
+    scheduler.placed_at(scheduler_server.port)
     await scheduler_server.mark_serving()
     upstream = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_server.port}")
     model = ServedModel.from_model_dir(default_model_dir, codec)
-    pipeline = GenerationPipeline(codec, model, scheduler_pb2_grpc.SchedulerServiceStub(upstream), "internal-secret",
+    pipeline = GenerationPipeline(codec, model, upstream, "internal-secret",
                                   tracing.get_tracer("test"))
     gateway = create_server("127.0.0.1", 0, api_keys=[API_KEY])
     gateway.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
@@ -143,7 +145,8 @@ async def test_stream_first_message_has_ids_last_has_finish_and_usage(mesh, code
     # encodes it on the wire (10.0987 s was seen), hence the half second above 10.
     assert 0 < scheduler.remaining[0] <= 10.5
     (span,) = await eventually(spans.get_finished_spans, "the gateway's span")
-    assert (span.name, format(span.context.trace_id, "032x")) == (SpanName.GATEWAY, responses[0].trace_id)
+    root = gateway_span_name("text_completion", "SmolLM2-135M-Instruct")
+    assert (span.name, format(span.context.trace_id, "032x")) == (root, responses[0].trace_id)
     assert span.attributes[Attr.REQUEST_ID] == "my-1"
     assert span.attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
     assert span.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 5

@@ -27,7 +27,8 @@ from services.gateway.limits import RequestLimits
 from services.gateway.request import salt_for_key
 from services.gateway.request import ServedModel
 from services.common.wire import DEFAULT_MAX_TOKENS
-from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, scheduler_pb2
+from tests.placing_scheduler import PlacingScheduler
 from tests.waiting import eventually
 
 REPLY = " Paris is the capital of France. 한국어 🎉 ok"
@@ -45,7 +46,7 @@ def served_model(default_model_dir: Path, codec: TextCodec) -> ServedModel:
     return ServedModel.from_model_dir(default_model_dir, codec)
 
 
-class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
+class FakeScheduler(PlacingScheduler):
     """Replies REPLY (prefixed " <seed>:" when a seed is set) then EOS, one token per event.
 
     Knobs: `fail` (raised before any token), `fail_after` ((k, error): raised after k tokens),
@@ -66,7 +67,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         text = REPLY if seed is None else f" {seed}:{REPLY}"
         return self.codec.encode(text) + [self.codec.eos_token_ids[0]]
 
-    async def Submit(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+    async def events(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         rid = request.request_id
         self.submits.append(request)
         self.log.append(("submit", rid))
@@ -109,13 +110,14 @@ def _logprobs(token: int, sampling: common_pb2.SamplingParams) -> list[common_pb
 
 
 @pytest.fixture
-async def scheduler(codec: TextCodec) -> AsyncIterator[tuple[FakeScheduler, scheduler_pb2_grpc.SchedulerServiceStub]]:
+async def scheduler(codec: TextCodec) -> AsyncIterator[tuple[FakeScheduler, grpc.aio.Channel]]:
     fake = FakeScheduler(codec)
     server = create_server("127.0.0.1", 0)
-    server.add_service("tandem.v1.SchedulerService", scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, fake)
+    fake.serve_on(server)
     await server.start()
+    fake.placed_at(server.port)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    yield fake, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    yield fake, channel
     await channel.close()
     await server.stop(0)
 

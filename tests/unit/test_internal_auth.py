@@ -44,6 +44,7 @@ BASES = {
     "DecodeService": worker_pb2_grpc.DecodeServiceServicer,
     "ColocatedService": worker_pb2_grpc.ColocatedServiceServicer,
     "KvTransferService": kv_transfer_pb2_grpc.KvTransferServiceServicer,
+    "TokenStreamService": worker_pb2_grpc.TokenStreamServiceServicer,
 }
 DESCRIPTORS = {name: service for module in (scheduler_pb2, worker_pb2, kv_transfer_pb2)
                for name, service in module.DESCRIPTOR.services_by_name.items()}

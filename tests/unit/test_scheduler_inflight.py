@@ -1,5 +1,5 @@
-"""The in-flight table: a request's Status only moves forward, through the table; a migration
-starts a new attempt at PENDING under its own id; closing happens once and takes both ids out."""
+"""The in-flight table: a request's Status only moves forward, through the table; a continuation
+is found by its own attempt id; closing happens once and takes both ids out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from opentelemetry import trace
 
 from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
-from services.scheduler.relay import Relay
+from services.scheduler.ending import Ending
 from tandem.v1 import scheduler_pb2
 
 
@@ -15,13 +15,13 @@ def request(request_id: str) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(request_id=request_id, token_ids=[1, 2, 3])
 
 
-def opened(table: InflightTable) -> RequestState:
-    state = RequestState(request("r1"), Deadline(), trace.INVALID_SPAN, Relay("r1"), Placement(request("r1")))
+def opened(table: InflightTable, attempt_id: str = "r1") -> RequestState:
+    state = RequestState(request("r1"), Deadline(), trace.INVALID_SPAN, Ending("r1"), Placement(request(attempt_id)))
     table.add(state)
     return state
 
 
-def test_a_status_moves_forward_only() -> None:
+async def test_a_status_moves_forward_only() -> None:
     table = InflightTable()
     state = opened(table)
     assert state.status is Status.PENDING
@@ -32,20 +32,16 @@ def test_a_status_moves_forward_only() -> None:
     assert state.status is Status.DECODING and "r1" in table
 
 
-def test_a_moved_request_is_found_by_its_new_attempt_only_and_starts_over() -> None:
+async def test_a_continuation_is_found_by_its_attempt_id() -> None:
     table = InflightTable()
-    state = opened(table)
-    table.advance(state, Status.DECODING)
-    old = table.move(state, Placement(request("r1#migrated-1")))
-    assert old.attempt_id == "r1" and state.status is Status.PENDING
+    state = opened(table, "r1#migrated-1")
     assert table.by_attempt("r1") is None and table.by_attempt("r1#migrated-1") is state
     assert table.get("r1") is state and "r1#migrated-1" in table
 
 
-def test_closing_happens_once_and_takes_both_ids_out() -> None:
+async def test_closing_happens_once_and_takes_both_ids_out() -> None:
     table = InflightTable()
-    state = opened(table)
-    table.move(state, Placement(request("r1#migrated-1")))
+    state = opened(table, "r1#migrated-1")
     assert table.close(state) is True and state.status is Status.CLOSED
     assert table.close(state) is False
     assert "r1" not in table and "r1#migrated-1" not in table and len(table) == 0

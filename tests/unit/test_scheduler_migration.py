@@ -8,8 +8,9 @@ import pytest
 
 from services.common.errors import Unavailable
 from services.common.wire import DEFAULT_MAX_TOKENS
-from services.scheduler.migration import MAX_MIGRATIONS, attempt_id, continuation, refusal, restate_usage
-from services.scheduler.relay import Interrupted, Relay
+from services.gateway.relay import restate_usage
+from services.scheduler.migration import MAX_MIGRATIONS, attempt_id, continuation, refusal
+from services.gateway.relay import Interrupted, Relay
 from tandem.v1 import common_pb2, scheduler_pb2
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH

@@ -12,7 +12,7 @@ from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.planner import plan_route
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.relay import Relay
+from services.scheduler.ending import Ending
 from services.scheduler.router import Candidate, Score, cached_tokens, prefill_cost, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
 from tests.flaky_store import FlakyStore
@@ -112,7 +112,7 @@ async def test_in_flight_requests_count_as_queued_prefill_and_reserved_blocks() 
     inflight = InflightTable()
     placement = Placement(submit([1] * 40), prefill=prefill, decode=decode_a, uncached_tokens=40, reserved_blocks=3,
                           reserved_at=registry.last_seen("d-a") + 1.0)
-    busy = RequestState(placement.request, Deadline(), trace.INVALID_SPAN, Relay("busy"), placement)
+    busy = RequestState(placement.request, Deadline(), trace.INVALID_SPAN, Ending("busy"), placement)
     inflight.add(busy)
     plan = await plan_route(registry, inflight, submit([5] * 20))
     assert plan.prefill == [Score("p-0", 60.0, queued_prefill_tokens=40)]

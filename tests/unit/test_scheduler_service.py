@@ -1,11 +1,14 @@
 """The scheduler as a real grpc.aio server on loopback, with fake workers on their own ports:
-the disaggregated and colocated flows, reservations, queue limits, aborts, deadlines, worker loss
-(token stream broken, heartbeat lapsed), the degraded store, and `tandem scheduler` + `tandem health`.
+the disaggregated and colocated flows, placements, reservations, queue limits, aborts, deadlines,
+worker loss (token stream broken, heartbeat lapsed) and continuations, the degraded store, and
+`tandem scheduler` + `tandem health`.
 
-A fake worker generates token i = 1000 + i, like a deterministic model: a prompt that ends with
-tokens 1000..1000+k-1 (a migrated request's continuation) goes on with token k. Its prefill
-reports its first token on its ReportTokens stream and has the decode worker report the rest on
-its own; `hold` keeps a decode worker from finishing (it reports its first token only).
+The scheduler carries no tokens: Submit answers with the request's Placement and ends OK when the
+worker reports the final event (or says AttemptLost when its worker is lost; the test then acts as
+the gateway and submits the continuation). A fake worker generates token i = 1000 + i, like a
+deterministic model: a prompt that ends with tokens 1000..1000+k-1 (a continuation) goes on with
+token k. Its prefill reports its first token on its ReportTokens stream and has the decode worker
+report the rest on its own; `hold` keeps a decode worker from finishing (it reports its first token only).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_METADATA = ((INTERNAL_TOKEN_KEY, TOKEN), ("traceparent", f"00-{TRACE_ID}-b7ad6b7169203331-01"))
 MODEL = "smol"
 LENGTH = common_pb2.FINISH_REASON_LENGTH
-ABORT = common_pb2.FINISH_REASON_ABORT
 ROLES = {"p": common_pb2.WORKER_ROLE_PREFILL, "d": common_pb2.WORKER_ROLE_DECODE,
          "c": common_pb2.WORKER_ROLE_COLOCATED}
 
@@ -276,50 +278,74 @@ async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_run
         await server.stop(0)
 
 
-async def rest(call) -> list[scheduler_pb2.TokenEvent]:
-    """The remaining events of a Submit call read with read() (gRPC forbids mixing it with `async for`)."""
+async def rest(call) -> list[scheduler_pb2.SubmitEvent]:
+    """The remaining messages of a Submit call read with read() (gRPC forbids mixing it with `async for`)."""
     events = []
     while (event := await call.read()) is not grpc.aio.EOF:
         events.append(event)
     return events
 
 
-def tokens_of(events) -> list[int]:
-    return [t for e in events for t in e.token_ids]
+async def placed(call) -> scheduler_pb2.Placement:
+    """The Placement the call answers with first."""
+    event = await call.read()
+    assert event.HasField("placement"), event
+    return event.placement
 
 
-async def fails_when_killed_after_two_tokens(call, request_id: str, victim: FakeWorker) -> None:
-    """Reads two events, kills `victim`, and checks the stream ends at once with UNAVAILABLE."""
-    await call.read()
-    await call.read()
+async def completes(call) -> scheduler_pb2.Placement:
+    """The call's Placement, after which it ends OK (the worker reported the final event)."""
+    events = await asyncio.wait_for(rest(call), DEADLINE_S)
+    assert len(events) == 1 and events[0].HasField("placement"), events
+    return events[0].placement
+
+
+async def lost_after_kill(call, victim: FakeWorker) -> scheduler_pb2.AttemptLost:
+    """Kills `victim` once the call is placed; the call says AttemptLost at once and ends OK."""
+    await placed(call)
     await victim.kill()
+    (event,) = await asyncio.wait_for(rest(call), DEADLINE_S)
+    assert event.HasField("lost"), event
+    return event.lost
+
+
+def continuation(mesh: Mesh, request_id: str, delivered: list[int], migration: int = 1, prompt_tokens: int = 20,
+                 max_tokens: int | None = 4, cache_salt: str = "", **sampling):
+    """The continuation a gateway submits after AttemptLost, having delivered `delivered`."""
+    request = scheduler_pb2.SubmitRequest(
+        request_id=request_id, model=MODEL, token_ids=list(range(200, 200 + prompt_tokens)), cache_salt=cache_salt,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling), delivered_token_ids=delivered,
+        migration=migration)
+    return mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+
+
+async def refused_to_move(call, request_id: str, delivered: int, why: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await asyncio.wait_for(rest(call), DEADLINE_S)
+        await rest(call)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert error.value.details() == (f"request {request_id}: a worker serving it was lost after 2 token(s); "
-                                     "retry the request")
+    assert error.value.details() == (f"request {request_id}: a worker serving it was lost after {delivered} "
+                                     f"token(s) and it cannot move on ({why}); retry the request")
 
 
 # -- the flows -----------------------------------------------------------------------------------------
 
 async def test_disaggregated_request_reserves_first_then_prefills_and_relays_in_order() -> None:
     async with scheduler("p-0", "d-0", **{"p-0": dict(late_first_token=True)}) as mesh:
-        events = [e async for e in mesh.submit("r1", prompt_tokens=20, max_tokens=4)]
+        placement = await completes(mesh.submit("r1", prompt_tokens=20, max_tokens=4))
         prefill, decode = mesh.workers["p-0"], mesh.workers["d-0"]
 
-        assert tokens_of(events) == [token(0), token(1), token(2), token(3)]
-        assert [e.output_offset for e in events] == [0, 1, 2, 3]
-        assert (events[0].route.prefill_worker_id, events[0].route.decode_worker_id) == ("p-0", "d-0")
-        assert events[0].route.reserved_blocks == 2 and not events[1].HasField("route")
-        assert events[-1].finish_reason == LENGTH and events[-1].usage.completion_tokens == 4
-        assert events[-1].timings.total_ms > 0
+        assert (placement.attempt_id, placement.generator_worker_id, placement.generator_address) == (
+            "r1", "d-0", decode.address)
+        assert (placement.prefill_worker_id, placement.prefill_address) == ("p-0", prefill.address)
+        assert (placement.route.prefill_worker_id, placement.route.decode_worker_id) == ("p-0", "d-0")
+        assert placement.route.reserved_blocks == 2 and placement.queue_ms >= 0
 
         assert mesh.order[:2] == ["d-0 Reserve", "p-0 Prefill"]
         (reserve,) = decode.called("Reserve")
         (request,) = prefill.called("Prefill")
         assert reserve.num_tokens == 21  # the prompt and the first token's slot
         assert (list(request.decode_block_ids), request.decode_address) == ([10, 11], decode.address)
-        assert request.seed > 0 and request.sampling.seed == request.seed
+        assert request.seed > 0 and request.sampling.seed == request.seed == placement.seed
         for call in prefill.calls + decode.calls:
             assert call.metadata["traceparent"].split("-")[1] == TRACE_ID
         assert decode.called("Release") == [] and decode.called("Abort") == []
@@ -332,8 +358,7 @@ async def test_disaggregated_request_reserves_first_then_prefills_and_relays_in_
 
 async def test_a_request_ended_by_its_first_token_releases_its_reservation() -> None:
     async with scheduler("p-0", "d-0") as mesh:
-        events = [e async for e in mesh.submit("r1", max_tokens=1)]
-        assert tokens_of(events) == [token(0)] and events[-1].finish_reason == LENGTH
+        await completes(mesh.submit("r1", max_tokens=1))
         await eventually(lambda: mesh.workers["d-0"].called("Release"), 'mesh.workers["d-0"].called("Release")')
         assert [r.request_id for r in mesh.workers["d-0"].called("Release")] == ["r1"]
         await mesh.idle()
@@ -341,10 +366,10 @@ async def test_a_request_ended_by_its_first_token_releases_its_reservation() -> 
 
 async def test_colocated_workers_run_the_whole_request_with_a_drawn_or_given_seed() -> None:
     async with scheduler("c-0", "p-0", "d-0") as mesh:
-        events = [e async for e in mesh.submit("r1", max_tokens=3)]
-        assert tokens_of(events) == [token(0), token(1), token(2)]
-        assert (events[0].route.prefill_worker_id, events[0].route.decode_worker_id) == ("c-0", "")
-        [e async for e in mesh.submit("r2", max_tokens=2, seed=42)]
+        placement = await completes(mesh.submit("r1", max_tokens=3))
+        assert (placement.route.prefill_worker_id, placement.route.decode_worker_id) == ("c-0", "")
+        assert (placement.generator_worker_id, placement.prefill_worker_id, placement.prefill_address) == ("c-0", "", "")
+        await completes(mesh.submit("r2", max_tokens=2, seed=42))
         drawn, given = mesh.workers["c-0"].called("Run")
         assert drawn.seed > 0 and drawn.sampling.seed == drawn.seed
         assert given.seed == given.sampling.seed == 42
@@ -381,7 +406,7 @@ async def test_no_worker_for_the_model_is_unavailable() -> None:
 async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
     async with scheduler("p-0", "d-0", max_running=1, max_queue=1, **{"d-0": dict(hold=True)}) as mesh:
         running = mesh.submit("running")
-        assert tokens_of([await running.read()]) == [token(0)]
+        assert (await placed(running)).attempt_id == "running"
         queued = mesh.submit("queued")
         await eventually(lambda: mesh.dispatcher.admission.waiting == 1, 'mesh.dispatcher.admission.waiting == 1')
         stats = await mesh.stats()
@@ -394,7 +419,7 @@ async def test_a_full_queue_is_resource_exhausted_with_a_retry_hint() -> None:
         assert dict(error.value.trailing_metadata())["retry-after"] == "60"  # nothing has drained yet
 
         running.cancel()  # its slot goes to the queued request
-        assert tokens_of([await queued.read()]) == [token(0)]
+        assert (await placed(queued)).attempt_id == "queued"
         queued.cancel()
         stats = await mesh.idle()
         assert (stats.submitted, stats.rejected, stats.aborted) == (3, 1, 2)
@@ -410,8 +435,7 @@ async def test_a_request_without_decode_room_waits_in_the_queue_until_a_worker_r
 
         mesh.workers["d-1"].free_blocks = 3
         assert await mesh.workers["d-1"].heartbeat()
-        events = await rest(call)
-        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+        assert (await completes(call)).route.decode_worker_id == "d-1"
         assert [r.request_id for r in mesh.workers["d-1"].called("Reserve")] == ["big"]
         assert mesh.workers["d-0"].calls == []
         stats = await mesh.idle()
@@ -430,8 +454,8 @@ async def test_reserves_refused_on_a_stale_report_wait_for_the_next_report_in_or
 
         decode.refuse = False
         assert await decode.heartbeat()
-        assert (await rest(first))[-1].finish_reason == LENGTH
-        assert (await rest(second))[-1].finish_reason == LENGTH
+        await completes(first)
+        await completes(second)
         assert [r.request_id for r in decode.called("Reserve")] == ["first", "first", "second"]
         stats = await mesh.idle()
         assert (stats.completed, stats.rejected, stats.failed) == (2, 0, 0)
@@ -447,8 +471,8 @@ async def test_a_prompt_no_decode_worker_can_ever_hold_is_invalid_argument() -> 
             "token_ids: request huge: a prompt of 192 tokens needs 13 KV blocks of 16 tokens (with the first "
             "generated token); the largest decode worker holds 12; shorten the prompt")
         assert mesh.workers["d-0"].calls == mesh.workers["d-1"].calls == mesh.workers["p-0"].calls == []
-        events = [e async for e in mesh.submit("fits", prompt_tokens=191)]  # 192 tokens: 12 blocks
-        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+        placement = await completes(mesh.submit("fits", prompt_tokens=191))  # 192 tokens: 12 blocks
+        assert placement.route.decode_worker_id == "d-1"
 
 
 # -- aborts and deadlines ------------------------------------------------------------------------------
@@ -464,14 +488,14 @@ async def test_cancelling_submit_aborts_the_request_on_both_workers() -> None:
         assert stats.aborted == 1
 
 
-async def test_abort_rpc_ends_the_stream_with_finish_abort() -> None:
+async def test_abort_rpc_ends_the_call_and_aborts_the_request_on_its_workers() -> None:
     async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
         call = mesh.submit("r1")
-        await call.read()
+        await placed(call)
         response = await mesh.stub.Abort(common_pb2.AbortRequest(request_ids=["r1", "unknown"]),
                                          metadata=CLIENT_METADATA)
         assert list(response.aborted_ids) == ["r1"]
-        assert (await rest(call))[-1].finish_reason == ABORT
+        assert await rest(call) == []
         await eventually(lambda: mesh.workers["d-0"].called("Abort"), 'mesh.workers["d-0"].called("Abort")')
         assert (await mesh.idle()).aborted == 1
 
@@ -533,32 +557,31 @@ async def test_an_unexpected_exception_is_internal_with_a_stable_message(monkeyp
 
 # -- worker loss ---------------------------------------------------------------------------------------
 
-async def test_a_broken_token_stream_without_migration_fails_the_workers_requests_at_once_and_drops_it() -> None:
+async def test_a_broken_token_stream_without_migration_ends_the_attempt_at_once_and_no_continuation_moves() -> None:
     options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
     async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, migration=False, **options) as mesh:
         victim = mesh.workers["d-0"]
-        await fails_when_killed_after_two_tokens(mesh.submit("doomed"), "doomed", victim)  # the TTL is an hour
+        lost = await lost_after_kill(mesh.submit("doomed"), victim)  # the TTL is an hour: the stream told
+        assert (lost.worker_id, lost.reason) == ("d-0", "request doomed: a worker serving it was lost; retry the request")
+        await refused_to_move(continuation(mesh, "doomed", [token(0), token(1)]), "doomed", 2, "migration is off")
 
         stats = await mesh.idle()
-        assert [w.info.worker_id for w in stats.workers] == ["d-1", "p-0"] and stats.failed == 1
+        assert [w.info.worker_id for w in stats.workers] == ["d-1", "p-0"]
+        assert (stats.submitted, stats.failed, stats.migrated) == (1, 1, 0)
         assert await victim.heartbeat() is False  # it must register again
-        events = [e async for e in mesh.submit("next")]
-        assert events[0].route.decode_worker_id == "d-1" and events[-1].finish_reason == LENGTH
+        assert (await completes(mesh.submit("next"))).route.decode_worker_id == "d-1"
 
 
-async def test_a_lost_decode_workers_request_moves_on_with_no_token_lost_or_repeated() -> None:
+async def test_a_lost_decode_workers_request_moves_on_as_the_continuation_the_gateway_submits() -> None:
     spans = InMemorySpanExporter()
     options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
     async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, spans=spans, **options) as mesh:
         call = mesh.submit("moved", max_tokens=6, seed=7, cache_salt="tenant")
-        first = [await call.read(), await call.read()]
-        await mesh.workers["d-0"].kill()
-        events = first + await asyncio.wait_for(rest(call), DEADLINE_S)
+        assert (await lost_after_kill(call, mesh.workers["d-0"])).worker_id == "d-0"
+        placement = await completes(continuation(mesh, "moved", [token(0), token(1)], max_tokens=6, seed=7,
+                                                 cache_salt="tenant"))
 
-        assert tokens_of(events) == [token(i) for i in range(6)]
-        assert [e.output_offset for e in events] == [0, 1, 2, 3, 4, 5]
-        assert events[-1].finish_reason == LENGTH
-        assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (20, 6)
+        assert (placement.attempt_id, placement.generator_worker_id, placement.seed) == ("moved#migrated-1", "d-1", 7)
         prefill = mesh.workers["p-0"].called("Prefill")
         assert [r.request_id for r in prefill] == ["moved", "moved#migrated-1"]
         assert list(prefill[1].token_ids) == list(range(200, 220)) + [token(0), token(1)]
@@ -567,71 +590,80 @@ async def test_a_lost_decode_workers_request_moves_on_with_no_token_lost_or_repe
         assert [r.num_tokens for r in mesh.workers["d-1"].called("Reserve")] == [23]
 
         stats = await mesh.idle()
-        assert (stats.completed, stats.failed, stats.migrated) == (1, 0, 1)
+        assert (stats.submitted, stats.completed, stats.failed, stats.migrated) == (1, 1, 0, 1)
         assert [(r.request_id, r.decode_worker_id) for r in stats.recent_routes] == [("moved", "d-0"), ("moved", "d-1")]
-        (submit,) = [s for s in spans.get_finished_spans() if s.name == SpanName.SCHEDULER_SUBMIT]
-        assert [dict(e.attributes) for e in submit.events if e.name == Event.MIGRATED] == [
-            {Attr.MIGRATION_FROM: "d-0", Attr.MIGRATION_OFFSET: 2}]
+        submits = [s for s in spans.get_finished_spans() if s.name == SpanName.SCHEDULER_SUBMIT]
+        assert [[dict(e.attributes) for e in s.events if e.name == Event.MIGRATED] for s in submits] == [
+            [{Attr.MIGRATION_FROM: "d-0"}], [{Attr.MIGRATION_OFFSET: 2}]]
+
+
+async def test_a_continuation_arriving_before_the_lost_attempts_call_ended_takes_it_over() -> None:
+    options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
+    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **options) as mesh:
+        call = mesh.submit("r1")
+        assert (await placed(call)).generator_worker_id == "d-0"  # the gateway saw d-0's stream break before the scheduler did
+        mesh.workers["d-0"].refuse = True
+        placement = await completes(continuation(mesh, "r1", [token(0)]))
+        assert (placement.attempt_id, placement.generator_worker_id) == ("r1#migrated-1", "d-1")
+        assert await rest(call) == []
+        await eventually(lambda: mesh.workers["d-0"].called("Abort"), 'mesh.workers["d-0"].called("Abort")')
+        assert mesh.workers["d-0"].called("Abort")[0].reason == "the request moved to another worker"
+        stats = await mesh.idle()
+        assert (stats.submitted, stats.completed, stats.aborted, stats.migrated) == (1, 1, 0, 1)
 
 
 async def test_a_lost_colocated_workers_request_moves_on_to_another_colocated_worker() -> None:
     async with scheduler("c-0", "c-1", ttl=3600.0, **{"c-0": dict(hold=True)}) as mesh:
-        call = mesh.submit("r1", max_tokens=4)
-        first = await call.read()
-        await mesh.workers["c-0"].kill()
-        events = [first, *await asyncio.wait_for(rest(call), DEADLINE_S)]
-        assert tokens_of(events) == [token(i) for i in range(4)]
-        assert [e.output_offset for e in events] == [0, 1, 2, 3]
+        await lost_after_kill(mesh.submit("r1", max_tokens=4), mesh.workers["c-0"])
+        placement = await completes(continuation(mesh, "r1", [token(0)]))
+        assert (placement.generator_worker_id, placement.prefill_address) == ("c-1", "")
         (moved,) = mesh.workers["c-1"].called("Run")
         assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)) + [token(0)])
         assert moved.sampling.max_tokens == 3
         assert (await mesh.idle()).migrated == 1
 
 
-async def test_a_moved_request_keeps_its_min_tokens_and_its_default_max_tokens_apart() -> None:
-    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **{"d-0": dict(hold=True, free_blocks=100)}) as mesh:
-        request = scheduler_pb2.SubmitRequest(request_id="r1", model=MODEL, token_ids=list(range(200, 210)),
-                                              sampling=common_pb2.SamplingParams(min_tokens=5))
-        call = mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
-        await call.read()
-        await call.read()
-        await mesh.workers["d-0"].kill()
-        events = await rest(call)
-        assert tokens_of(events) == [token(i) for i in range(2, DEFAULT_MAX_TOKENS)]
-        (moved,) = [r for r in mesh.workers["p-0"].called("Prefill") if r.request_id == "r1#migrated-1"]
+async def test_a_continuation_keeps_its_min_tokens_and_its_default_max_tokens_apart() -> None:
+    async with scheduler("p-0", "d-0", ttl=3600.0) as mesh:
+        await completes(continuation(mesh, "r1", [token(0), token(1)], prompt_tokens=10, max_tokens=None,
+                                     min_tokens=5))
+        (moved,) = mesh.workers["p-0"].called("Prefill")
         assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (DEFAULT_MAX_TOKENS - 2, 3)
 
 
-async def test_a_request_with_a_presence_penalty_fails_instead_of_moving_once_it_has_tokens() -> None:
-    options = {"d-0": dict(hold=True, free_blocks=100), "d-1": dict(free_blocks=50)}
-    async with scheduler("p-0", "d-0", "d-1", ttl=3600.0, **options) as mesh:
-        request = scheduler_pb2.SubmitRequest(
-            request_id="r1", model=MODEL, token_ids=list(range(200, 220)),
-            sampling=common_pb2.SamplingParams(max_tokens=4, presence_penalty=0.5))
-        call = mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
-        await fails_when_killed_after_two_tokens(call, "r1", mesh.workers["d-0"])
+async def test_a_continuation_with_a_presence_penalty_and_tokens_delivered_is_refused() -> None:
+    async with scheduler("p-0", "d-0", ttl=3600.0) as mesh:
+        await refused_to_move(continuation(mesh, "r1", [token(0), token(1)], presence_penalty=0.5), "r1", 2,
+                              "presence and frequency penalties count output tokens, which a continuation cannot "
+                              "tell apart")
+        await completes(continuation(mesh, "r2", [], presence_penalty=0.5))  # nothing delivered: it may move
+        await refused_to_move(continuation(mesh, "r3", [token(0)], migration=4), "r3", 1, "it moved 3 times already")
         stats = await mesh.idle()
-        assert (stats.failed, stats.migrated) == (1, 0)
-        assert mesh.workers["d-1"].calls == []
+        assert (stats.failed, stats.migrated, stats.completed) == (2, 1, 1)
+        assert [r.request_id for r in mesh.workers["p-0"].called("Prefill")] == ["r2#migrated-1"]
 
 
-async def test_a_request_whose_decode_worker_is_lost_with_no_other_left_is_unavailable() -> None:
+async def test_a_continuation_with_no_worker_left_is_unavailable() -> None:
     async with scheduler("p-0", "d-0", ttl=3600.0, **{"d-0": dict(hold=True)}) as mesh:
-        await fails_when_killed_after_two_tokens(mesh.submit("r1"), "r1", mesh.workers["d-0"])
+        await lost_after_kill(mesh.submit("r1"), mesh.workers["d-0"])
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(continuation(mesh, "r1", [token(0), token(1)]))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live decode worker serves model 'smol'" in error.value.details()
         stats = await mesh.idle()
         assert (stats.failed, stats.migrated) == (1, 0)
 
 
-async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_request_is_routed_again() -> None:
+async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_continuation_is_routed_again() -> None:
     async with scheduler("p-0", "p-1", "d-0", ttl=3600.0, **{"p-0": dict(hold_prefill=True)}) as mesh:
         call = mesh.submit("r1")
+        assert (await placed(call)).prefill_worker_id == "p-0"
         await eventually(lambda: mesh.workers["p-0"].called("Prefill"), 'mesh.workers["p-0"].called("Prefill")')
         await mesh.workers["p-0"].kill()
-        events = await asyncio.wait_for(rest(call), DEADLINE_S)
-
-        assert tokens_of(events) == [token(i) for i in range(4)]
-        assert [e.output_offset for e in events] == [0, 1, 2, 3]
-        assert events[0].route.prefill_worker_id == "p-1"
+        (lost,) = await asyncio.wait_for(rest(call), DEADLINE_S)
+        assert lost.lost.reason == "request r1: a worker serving it was lost; retry the request"
+        placement = await completes(continuation(mesh, "r1", []))
+        assert placement.route.prefill_worker_id == "p-1"
         (moved,) = mesh.workers["p-1"].called("Prefill")
         assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)))
         decode = mesh.workers["d-0"]
@@ -642,15 +674,14 @@ async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_
         assert (stats.completed, stats.failed, stats.migrated) == (1, 0, 1)
 
 
-async def test_a_lapsed_heartbeat_fails_the_workers_requests_and_drops_it() -> None:
+async def test_a_lapsed_heartbeat_ends_the_attempt_and_drops_the_worker() -> None:
     async with scheduler("p-0", "d-0", ttl=1.0, **{"d-0": dict(hold=True)}) as mesh:
         call = mesh.submit("r1")
-        await call.read()
+        await placed(call)
         mesh.workers["d-0"].heartbeats.cancel()
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await rest(call)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert error.value.details() == "request r1: a worker serving it was lost after 2 token(s); retry the request"
+        (lost,) = await asyncio.wait_for(rest(call), DEADLINE_S)
+        assert (lost.lost.worker_id, lost.lost.reason) == ("d-0", "request r1: a worker serving it was lost; "
+                                                                   "retry the request")
         stats = await mesh.idle()
         assert [w.info.worker_id for w in stats.workers] == ["p-0"]
 
@@ -661,9 +692,7 @@ async def test_a_reserve_cut_by_its_workers_loss_moves_on_to_the_next_decode_wor
         call = mesh.submit("r1")
         await eventually(lambda: mesh.workers["d-0"].called("Reserve"), 'mesh.workers["d-0"].called("Reserve")')
         mesh.dispatcher.membership.lost("d-0", "its heartbeat lapsed")  # closes its channel: the Reserve is cut
-        events = await rest(call)
-        assert tokens_of(events) == [token(i) for i in range(4)]
-        assert events[0].route.decode_worker_id == "d-1"
+        assert (await completes(call)).route.decode_worker_id == "d-1"
         stats = await mesh.idle()
         assert (stats.completed, stats.failed) == (1, 0)
 
@@ -697,17 +726,15 @@ async def test_store_down_routes_degraded_from_the_last_known_state_and_recovers
     store = FlakyStore()
     async with scheduler("p-0", "d-0", store=store) as mesh:
         store.down = True
-        events = [e async for e in mesh.submit("r1")]
-        assert events[-1].finish_reason == LENGTH
-        assert events[0].route.degraded and events[0].route.matched_prefix_blocks == 0
+        route = (await completes(mesh.submit("r1"))).route
+        assert route.degraded and route.matched_prefix_blocks == 0
         stats = await mesh.stats()
         assert stats.degraded and stats.store == "redis"
         assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"]
 
         store.down = False
         await mesh.recovered()
-        events = [e async for e in mesh.submit("r2")]
-        assert not events[0].route.degraded
+        assert not (await completes(mesh.submit("r2"))).route.degraded
 
 
 async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redis: RedisServer) -> None:
@@ -716,8 +743,7 @@ async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redi
         async with scheduler("p-0", "d-0", ttl=1.0, store=store) as mesh:
             assert not (await mesh.stats()).degraded
             private_redis.stop()
-            events = [e async for e in mesh.submit("during")]
-            assert events[0].route.degraded and events[-1].finish_reason == LENGTH
+            assert (await completes(mesh.submit("during"))).route.degraded
             assert (await mesh.stats()).degraded
 
             private_redis.start()  # no persistence: it comes back empty
@@ -727,8 +753,7 @@ async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redi
                 return sorted(r.info.worker_id for r in await store.list_workers()) == ["d-0", "p-0"]
 
             await eventually_async(refilled, "the store refilled with both workers")
-            events = [e async for e in mesh.submit("after")]
-            assert not events[0].route.degraded and events[-1].finish_reason == LENGTH
+            assert not (await completes(mesh.submit("after"))).route.degraded
     finally:
         await store.close()
 

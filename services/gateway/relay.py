@@ -1,16 +1,17 @@
-"""One request's token relay: events from any worker stream, in output order, to its Submit stream.
+"""One request's token relay, in the gateway: events from its workers' token streams, in output
+order, to the client.
 
-The prefill worker reports output token 0 and the decode worker the rest, on different
+The prefill worker streams output token 0 and the decode worker the rest, on different
 connections, so events may arrive out of order or twice. The relay keeps a cursor `next_offset`
 (tokens delivered so far): an event at the cursor is delivered, one ahead of it is held until the
 gap fills, and tokens behind it are duplicates and dropped. The stream ends with the event that
-carries a finish reason, or with an error (fail(): a worker's error event becomes one in the
-dispatcher, which knows what the client may be told).
+carries a finish reason, or with an error (fail(): the scheduler's Submit call ended with a status).
 
-A request whose worker was lost may go on elsewhere (migration.py): interrupt() drops the held
+A request whose worker was lost may go on elsewhere (the scheduler's migration.py): interrupt() drops the held
 events, whose gap will never fill, and makes events() raise Interrupted after what was delivered.
 The continuation's worker numbers its outputs from 0, so from then on every pushed event is
-shifted by `base`, the tokens delivered before the interruption; `tokens` keeps them all.
+shifted by `base`, the tokens delivered before the interruption; `tokens` keeps them all, and
+`restate_usage` counts them as output again in the final usage.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Interrupted(Exception):
 
 
 class Relay:
-    """Call order: push()/fail()/finish() from anywhere on the event loop; events() once, by the Submit stream."""
+    """Call order: push()/fail()/finish()/interrupt() from anywhere on the event loop; events() by
+    the client's stream (again after each Interrupted)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -125,3 +127,10 @@ class Relay:
         self.closed = True
         self._held.clear()
         self._ready.put_nowait(last)
+
+
+def restate_usage(usage: common_pb2.Usage, prompt_tokens: int, completion_tokens: int) -> None:
+    """A continuation's final usage counted its delivered tokens as prompt: count them as output again."""
+    usage.prompt_tokens = prompt_tokens
+    usage.cached_tokens = min(usage.cached_tokens, prompt_tokens)
+    usage.completion_tokens = completion_tokens

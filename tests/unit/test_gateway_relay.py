@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable, grpc_status
-from services.scheduler.relay import Relay
+from services.gateway.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2
 
 STOP = common_pb2.FINISH_REASON_STOP

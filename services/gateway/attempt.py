@@ -1,0 +1,90 @@
+"""One attempt of a request, as the gateway runs it: the scheduler's Submit call that placed it,
+and the token streams of its workers (TokenStreamService.Stream), all feeding the request's relay.
+
+The scheduler decides and accounts; the tokens come straight from the workers: the generating
+(decode or colocated) worker's stream, and the prefill worker's, which carries output token 0. The
+Submit call stays open beside them and has the last word on the attempt: it ends with a status
+(the request failed: the relay fails with it), or says AttemptLost (the worker generating it was
+lost: the relay is interrupted and the gateway submits the continuation), or ends OK (the request
+finished: its final event is on the worker's stream). A worker stream that breaks or that the
+worker drops therefore ends quietly: the Submit call says why. A worker's error event is left to
+the scheduler too, which reports it as the call's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.common.errors import Unavailable, error_from_rpc
+from services.gateway.relay import Relay
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+OpenStream = Callable[[str, worker_pb2.StreamRequest], grpc.aio.UnaryStreamCall]
+
+
+class Attempt:
+    """Call order: start() once its Placement is read -> close() (idempotent)."""
+
+    def __init__(self, submit: grpc.aio.UnaryStreamCall, placement: scheduler_pb2.Placement, relay: Relay) -> None:
+        self.submit = submit
+        self.placement = placement
+        self._relay = relay
+        self._calls: list[grpc.aio.UnaryStreamCall] = []
+        self._tasks: list[asyncio.Task] = []
+        self._current = True
+
+    def start(self, open_stream: OpenStream) -> None:
+        """Read the workers' streams into the relay, and watch the Submit call."""
+        request = worker_pb2.StreamRequest(request_id=self.placement.attempt_id)
+        addresses = [self.placement.generator_address]
+        if self.placement.prefill_address:
+            addresses.append(self.placement.prefill_address)
+        for address in addresses:
+            call = open_stream(address, request)
+            self._calls.append(call)
+            self._tasks.append(asyncio.ensure_future(self._pump(address, call)))
+        self._tasks.append(asyncio.ensure_future(self._watch()))
+
+    def close(self, finished: bool = False) -> None:
+        """Stop taking this attempt's events, and cancel its calls (aborting what is still running).
+        `finished`: the request's final event came; the Submit call is left to end as the scheduler
+        counts the request completed (it does when the worker's final report reaches it)."""
+        self._current = False
+        for call in self._calls:
+            call.cancel()
+        if finished:
+            return
+        for task in self._tasks:
+            task.cancel()
+        self.submit.cancel()
+
+    async def _pump(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            async for event in call:
+                if not self._current:
+                    return
+                if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    return  # the scheduler ends the Submit call with the worker's error
+                self._relay.push(event)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
+                         self._relay.request_id, address, error.code().name, error.details())
+
+    async def _watch(self) -> None:
+        try:
+            while (event := await self.submit.read()) is not grpc.aio.EOF:
+                if event.HasField("lost") and self._current:
+                    self._current = False  # the lost worker's late events must not reach the relay
+                    self._relay.interrupt(Unavailable(
+                        f"request {self._relay.request_id}: worker {event.lost.worker_id} was lost "
+                        f"({event.lost.reason}); retry the request"))
+        except grpc.aio.AioRpcError as error:
+            if self._current and error.code() != grpc.StatusCode.CANCELLED:
+                self._relay.fail(error_from_rpc(error))

@@ -1,0 +1,110 @@
+"""Each request's token events, held on the worker for the gateway that reads them
+(TokenStreamService.Stream): the scheduler is told where a request runs, never its tokens.
+
+A request's stream is opened by whichever comes first: the worker taking the request (`open`) or
+the gateway attaching (`follow`), which may come before the request reaches this worker (a
+prefill worker's Prefill call, a decode worker's KV, are still on their way). Events wait in the
+stream until they are read; a request opened here that nobody attaches to within `attach_s` is
+given up (`on_abandoned` aborts it), and so is one whose reader leaves before its last event. The
+last event is the final one, or output token 0 on a worker that hands the request on after it
+(a prefill worker). `drop` ends a stream with UNAVAILABLE when the worker drops its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidRequest, Unavailable
+from tandem.v1 import common_pb2, scheduler_pb2
+
+ATTACH_S = 30.0  # the gateway attaches right after placement; this only bounds a gateway that vanished
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue[scheduler_pb2.TokenEvent | Unavailable] = field(default_factory=asyncio.Queue)
+    hands_on: bool = False  # the last event is output token 0
+    opened: bool = False  # the worker took the request
+    attached: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+class RequestStreams:
+    """Call order: open(request_id) as the worker takes a request -> push(event)* -> drop() on an
+    abort; follow(request_id) once, from the Stream RPC, in any order with open()."""
+
+    def __init__(self, on_abandoned: Callable[[str], None], attach_s: float = ATTACH_S) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._on_abandoned = on_abandoned
+        self._attach_s = attach_s
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def open(self, request_id: str, *, hands_on: bool = False) -> None:
+        """The worker takes the request; its reader has `attach_s` to come if it has not yet."""
+        stream = self._streams.setdefault(request_id, _Stream())
+        stream.opened, stream.hands_on = True, hands_on
+        if not stream.attached:
+            loop = asyncio.get_running_loop()
+            stream.timer = loop.call_later(self._attach_s, self._unattended, request_id, stream)
+
+    def push(self, event: scheduler_pb2.TokenEvent) -> None:
+        stream = self._streams.get(event.request_id)
+        if stream is not None:
+            stream.queue.put_nowait(event)
+
+    def drop(self, request_id: str, reason: str) -> None:
+        """End the request's stream with UNAVAILABLE (its reader, if any, sees it after the events
+        before; one that comes within `attach_s` still does)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        stream.opened = False  # nothing left to give up
+        stream.queue.put_nowait(Unavailable(f"request {request_id} was dropped by this worker: {reason}"))
+        if not stream.attached and stream.timer is None:
+            stream.timer = asyncio.get_running_loop().call_later(self._attach_s, self._unattended, request_id, stream)
+
+    async def follow(self, request_id: str) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The request's events up to its last one; raises Unavailable. Leaving early (the call was
+        cancelled) gives the request up."""
+        stream = self._streams.setdefault(request_id, _Stream())
+        if stream.attached:
+            raise InvalidRequest("request_id", f"{request_id!r} already has a reader on this worker")
+        stream.attached = True
+        if stream.timer is not None:
+            stream.timer.cancel()
+        last = False
+        try:
+            while not last:
+                item = await stream.queue.get()
+                if isinstance(item, Unavailable):
+                    last = True
+                    raise item
+                last = _is_last(item, stream.hands_on)
+                yield item
+        finally:
+            self._forget(request_id, stream)
+            if not last and stream.opened:
+                self._on_abandoned(request_id)
+
+    def _unattended(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream and not stream.attached:
+            self._forget(request_id, stream)
+            if stream.opened:
+                self._on_abandoned(request_id)
+
+    def _forget(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+        if stream.timer is not None:
+            stream.timer.cancel()
+
+
+def _is_last(event: scheduler_pb2.TokenEvent, hands_on: bool) -> bool:
+    if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        return True
+    return hands_on and event.output_offset == 0 and bool(event.token_ids)
+

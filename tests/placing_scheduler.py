@@ -1,0 +1,62 @@
+"""A stand-in scheduler for the gateway's tests that places every request on itself: a subclass
+writes `events(request, context)`, the request's token events as a worker streams them (raising a
+TandemError fails the request); Submit answers with a Placement on this same server, whose
+TokenStreamService.Stream yields those events. A failure before the first event is Submit's
+status; one after it ends the Submit call with that status, as the real scheduler's would."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from services.common.errors import TandemError
+from services.common.grpc_server import GrpcServer
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+
+_Run = tuple[scheduler_pb2.TokenEvent, AsyncIterator[scheduler_pb2.TokenEvent], asyncio.Future]
+
+
+class PlacingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer, worker_pb2_grpc.TokenStreamServiceServicer):
+    address = ""
+
+    def serve_on(self, server: GrpcServer) -> None:
+        """Add both services to `server` (call before it starts; `placed_at` after)."""
+        server.add_service("tandem.v1.SchedulerService", scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                           self)
+        server.add_service("tandem.v1.TokenStreamService",
+                           worker_pb2_grpc.add_TokenStreamServiceServicer_to_server, self)
+
+    def placed_at(self, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+
+    def events(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        raise NotImplementedError
+
+    async def Submit(self, request, context) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        events = self.events(request, context)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            return
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._runs()[request.request_id] = (first, events, ended)
+        yield scheduler_pb2.SubmitEvent(placement=scheduler_pb2.Placement(
+            attempt_id=request.request_id, generator_worker_id="colocated-0", generator_address=self.address))
+        error = await ended
+        if error is not None:
+            raise error
+
+    async def Stream(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        first, events, ended = self._runs().pop(request.request_id)
+        try:
+            yield first
+            async for event in events:
+                yield event
+            ended.done() or ended.set_result(None)
+        except TandemError as error:
+            ended.done() or ended.set_result(error)
+
+    def _runs(self) -> dict[str, _Run]:
+        if not hasattr(self, "_placed"):
+            self._placed: dict[str, _Run] = {}
+        return self._placed

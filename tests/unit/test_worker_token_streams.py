@@ -1,0 +1,106 @@
+"""A worker's request token streams: events wait for the gateway that reads them, whichever comes
+first (the request or the reader); a prefill worker's stream ends at output token 0; a request
+nobody reads within the bound, or whose reader leaves early, is given up; a dropped request ends
+its reader with UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.worker.token_streams import RequestStreams
+from tandem.v1 import common_pb2, scheduler_pb2
+
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+def event(offset: int, token: int, finish: int = 0) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(request_id="r", output_offset=offset, token_ids=[token], finish_reason=finish)
+
+
+async def read(streams: RequestStreams) -> list[tuple[int, int]]:
+    return [(e.output_offset, e.token_ids[0]) async for e in streams.follow("r")]
+
+
+async def test_events_before_the_reader_attaches_wait_for_it_up_to_the_final_one() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append)
+    streams.open("r")
+    streams.push(event(0, 10))
+    streams.push(event(1, 11, finish=LENGTH))
+    assert await read(streams) == [(0, 10), (1, 11)]
+    assert "r" not in streams and abandoned == []
+
+
+async def test_a_reader_may_attach_before_the_worker_takes_the_request() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append)
+    reader = asyncio.ensure_future(read(streams))
+    await asyncio.sleep(0)
+    streams.push(event(0, 9))  # the reader made the stream, so it holds events before the request is opened
+    streams.open("r")
+    streams.push(event(1, 10, finish=LENGTH))
+    assert await asyncio.wait_for(reader, 5) == [(0, 9), (1, 10)]
+    assert abandoned == []
+
+
+async def test_a_prefill_workers_stream_ends_at_output_token_0() -> None:
+    streams = RequestStreams(lambda r: None)
+    streams.open("r", hands_on=True)
+    streams.push(event(0, 7))
+    assert await read(streams) == [(0, 7)]
+    streams.push(event(1, 8))  # nothing is held any more
+    assert "r" not in streams
+
+
+async def test_a_request_nobody_reads_within_the_bound_is_given_up() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append, attach_s=0.05)
+    streams.open("r")
+    streams.push(event(0, 1))
+    await asyncio.wait_for(_until(lambda: abandoned == ["r"]), 5)
+    assert "r" not in streams
+
+
+async def test_a_reader_that_leaves_before_the_last_event_gives_the_request_up() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append)
+    streams.open("r")
+    streams.push(event(0, 1))
+    follow = streams.follow("r")
+    assert (await anext(follow)).output_offset == 0
+    await follow.aclose()
+    assert abandoned == ["r"] and "r" not in streams
+
+
+async def test_a_dropped_request_ends_its_reader_with_unavailable_after_the_events_before() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append)
+    streams.open("r")
+    streams.push(event(0, 1))
+    streams.drop("r", "aborted")
+    seen = []
+    with pytest.raises(Unavailable, match="^request r was dropped by this worker: aborted$"):
+        async for e in streams.follow("r"):
+            seen.append(e.output_offset)
+    assert seen == [0] and abandoned == []
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_dropped_before_its_reader_came_ends_the_reader_that_comes() -> None:
+    abandoned: list[str] = []
+    streams = RequestStreams(abandoned.append, attach_s=0.05)
+    streams.open("r")
+    streams.drop("r", "shutting down")
+    with pytest.raises(Unavailable, match="^request r was dropped by this worker: shutting down$"):
+        await read(streams)
+    streams.open("q")
+    streams.drop("q", "aborted")
+    await asyncio.wait_for(_until(lambda: "q" not in streams), 5)
+    assert abandoned == []
