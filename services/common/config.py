@@ -106,3 +106,11 @@ def parse_address(text: str) -> str:
 def parse_list(text: str) -> tuple[str, ...]:
     """'a, b,,c' -> ('a', 'b', 'c')."""
     return tuple(item.strip() for item in str(text).split(",") if item.strip())
+
+
+def parse_addresses(text: str) -> tuple[str, ...]:
+    """'h1:1,h2:2' -> ('h1:1', 'h2:2'), each checked as parse_address does; at least one."""
+    addresses = tuple(parse_address(item) for item in parse_list(text))
+    if not addresses:
+        raise _type_error(f"no address in {text!r}: use HOST:PORT[,HOST:PORT...]")
+    return addresses

@@ -4,8 +4,9 @@ trace context, read the tokens from the workers it placed the request on, and tu
 
 A `Generation` is one request in flight: one attempt (attempt.py) at a time, the next one the
 continuation the scheduler places after the worker generating it was lost (the tokens delivered
-so far go with it; the relay goes on at the same offset). A Submit call that cannot reach the
-scheduler before the request is placed is made again until the deadline. Leaving its iteration
+so far go with it; the relay goes on at the same offset). A Submit call that cannot reach its
+scheduler before the request is placed goes to the next one (upstream.py), round after round
+until the deadline. Leaving its iteration
 early, or `close()`, cancels the attempt's calls, which aborts the request on whichever worker
 holds it. Its failures reach the client as client_errors words them; the upstream's own message
 goes to the log and the span.
@@ -22,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry import trace
 
-from services.common.channels import internal_channel
 from services.common.errors import DeadlineExceeded, TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.metrics import ServiceMetrics
@@ -37,38 +37,15 @@ from services.gateway.limits import RequestLimits
 from services.gateway.output import Chunk, OutputAssembler, OutputOptions
 from services.gateway.prompt_encoder import DEFAULT_THREADS, PromptEncoder
 from services.gateway.relay import Interrupted, Relay, restate_usage
+from services.gateway.upstream import Upstream
 from services.gateway.request import GenerationRequest, ServedModel, new_request_id
 from services.gateway.validation import check_prompt_length, validate_request
-from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-_RETRY_START_S = 0.1  # a scheduler that cannot be reached before placement: first pause before the next try
+_RETRY_START_S = 0.1  # no scheduler could be reached before placement: first pause before the next round
 _RETRY_MAX_S = 1.0
-
-
-class Upstream:
-    """The gateway's calls to the scheduler and the workers, with the internal token and the
-    request's trace context; one channel per worker address, opened on first use."""
-
-    def __init__(self, scheduler: grpc.aio.Channel,
-                 open_channel: Callable[[str], grpc.aio.Channel] = internal_channel) -> None:
-        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(scheduler)
-        self._scheduler_channel = scheduler
-        self._open_channel = open_channel
-        self._workers: dict[str, worker_pb2_grpc.TokenStreamServiceStub] = {}
-
-    def scheduler_reachable(self) -> bool:
-        """False while the channel to the scheduler has no connection (a refused or failed call did
-        not reach it; one that did is the scheduler's own answer)."""
-        return self._scheduler_channel.get_state() == grpc.ChannelConnectivity.READY
-
-    def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
-               metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
-        stub = self._workers.get(address)
-        if stub is None:
-            stub = self._workers[address] = worker_pb2_grpc.TokenStreamServiceStub(self._open_channel(address))
-        return stub.Stream(request, timeout=timeout, metadata=metadata)
 
 
 class Generation:
@@ -104,6 +81,7 @@ class Generation:
         self._span = span
         self._metrics = metrics
         self._relay = Relay(request_id)
+        self._turn = upstream.first_turn()  # the scheduler it goes to, and its continuations
         self._attempt: Attempt | None = None
         self._timings = timings
         self._closed = False
@@ -145,18 +123,24 @@ class Generation:
                 self._submit.sampling.seed = self._attempt.placement.seed
 
     async def _place(self) -> Attempt:
-        """Submit the request (again, while the scheduler cannot be reached) and start reading its
-        workers' streams once the scheduler says where it runs."""
-        backoff = _RETRY_START_S
+        """Submit the request (to the next scheduler while one cannot be reached, pausing after each
+        round) and start reading its workers' streams once the scheduler says where it runs."""
+        backoff, unreached = _RETRY_START_S, 0
         while True:
-            call = self._upstream.scheduler.Submit(self._submit, timeout=self._remaining(), metadata=self._metadata)
+            scheduler = self._upstream.scheduler(self._turn)
+            call = scheduler.stub.Submit(self._submit, timeout=self._remaining(), metadata=self._metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
-                unreached = exc.code() == grpc.StatusCode.UNAVAILABLE and not self._upstream.scheduler_reachable()
-                if not unreached or self._remaining() <= backoff:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or scheduler.reachable():
                     raise
-                log.info("request %s: the scheduler cannot be reached (%s); submitting again in %.1f s",
+                unreached += 1
+                self._turn += 1
+                if unreached % self._upstream.num_schedulers:
+                    continue
+                if self._remaining() <= backoff:
+                    raise
+                log.info("request %s: no scheduler can be reached (%s); submitting again in %.1f s",
                          self.request_id, exc.details(), backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, _RETRY_MAX_S)
@@ -238,7 +222,7 @@ class GenerationPipeline:
         self,
         codec: TextCodec,
         model: ServedModel,
-        scheduler: grpc.aio.Channel | Upstream,
+        upstream: grpc.aio.Channel | Upstream,
         internal_token: str | None = None,
         tracer: trace.Tracer | None = None,
         metrics: ServiceMetrics | None = None,
@@ -249,7 +233,7 @@ class GenerationPipeline:
         self.model = model
         self.limits = limits
         self._encoder = PromptEncoder(codec, tokenizer_threads)
-        self._upstream = scheduler if isinstance(scheduler, Upstream) else Upstream(scheduler)
+        self._upstream = upstream if isinstance(upstream, Upstream) else Upstream([upstream])
         self._internal_token = internal_token
         self._tracer = tracer or trace.get_tracer(__name__)
         self._metrics = metrics

@@ -1,6 +1,6 @@
 """`tandem gateway`: the public door. Loads the tokenizer (never torch), serves GenerateService
-over gRPC and the HTTP API, and reports SERVING while the scheduler behind it can serve the model
-(services/gateway/health.py).
+over gRPC and the HTTP API, and reports SERVING while the scheduler behind it (the first of
+`--scheduler`) can serve the model (services/gateway/health.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.common import internal_auth
 from services.common.channels import internal_channel
-from services.common.config import add_option, from_args, parse_address, parse_list
+from services.common.config import add_option, from_args, parse_addresses, parse_list
 from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
 from services.common.model_config import ModelLoadError
@@ -24,7 +24,8 @@ from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, ad
 from services.common.tokenizer import TextCodec
 from services.common.tracing import setup_tracing
 from services.gateway import http_app, limits
-from services.gateway.generation import GenerationPipeline, Upstream
+from services.gateway.generation import GenerationPipeline
+from services.gateway.upstream import Upstream
 from services.gateway.health import follow_scheduler_health
 from services.gateway.http_server import start_http
 from services.gateway.request import ServedModel
@@ -41,7 +42,7 @@ class GatewayConfig:
     host: str
     port: int
     http_port: int  # the OpenAI-compatible HTTP API (served by the HTTP bridge)
-    scheduler: str
+    scheduler: tuple[str, ...]  # HOST:PORT of each scheduler; requests go to them in turn
     model: Path
     api_keys: tuple[str, ...]
     internal_token: str | None  # sent to the scheduler; None only under --insecure-internal or with internal_tls
@@ -56,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add_option(parser, "--port", type=int, default=50051, help="gRPC port")
     add_option(parser, "--http-port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
-    add_option(parser, "--scheduler", type=parse_address, default="127.0.0.1:50052",
-               help="the scheduler's HOST:PORT")
+    add_option(parser, "--scheduler", type=parse_addresses, default=("127.0.0.1:50052",),
+               help="the schedulers' HOST:PORT, comma-separated: requests go to them in turn, and to the next "
+                    "while one cannot be reached")
     add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
     add_option(parser, "--api-keys", type=parse_list, default=(),
                help="comma-separated client API keys; none turns authentication off")
@@ -98,8 +100,9 @@ async def serve(config: GatewayConfig) -> None:
     model = ServedModel.from_model_dir(config.model, codec)
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
-    channel = internal_channel(config.scheduler, config.internal_tls)
-    upstream = Upstream(channel, functools.partial(internal_channel, tls=config.internal_tls))
+    open_channel = functools.partial(internal_channel, tls=config.internal_tls)
+    channels = [open_channel(address) for address in config.scheduler]
+    upstream = Upstream(channels, open_channel)
     pipeline = GenerationPipeline(codec, model, upstream,
                                   config.internal_token, metrics=metrics, limits=config.limits)
     server = create_server(config.host, config.port, api_keys=config.api_keys,
@@ -111,9 +114,9 @@ async def serve(config: GatewayConfig) -> None:
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await start_http(http, config.host, config.http_port, tls=config.tls)
     log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", model.name, config.host,
-             server.port, "S" if config.tls else "", http_server.port, config.scheduler,
+             server.port, "S" if config.tls else "", http_server.port, ",".join(config.scheduler),
              "on" if config.api_keys else "off", "on" if config.tls else "off")
-    follower = asyncio.create_task(follow_scheduler_health(channel, server, http, model=model.name,
+    follower = asyncio.create_task(follow_scheduler_health(channels[0], server, http, model=model.name,
                                                            internal_token=config.internal_token))
     try:
         await server.run_until_signal()
@@ -121,7 +124,8 @@ async def serve(config: GatewayConfig) -> None:
         follower.cancel()
         http_app.set_serving(http, False)
         await http_server.stop()
-        await channel.close()
+        for channel in channels:
+            await channel.close()
         pipeline.close()
         tracing.shutdown()
 

@@ -1,0 +1,65 @@
+"""What the gateway calls upstream: its schedulers (one or more, `--scheduler a,b`) and the workers
+they place requests on, whose token streams it reads.
+
+Requests are spread over the schedulers in turn; each keeps its own requests (their queue,
+reservations and accounting), so a request stays with the scheduler that placed it, its
+continuations included, unless that one cannot be reached. A call that found its scheduler's
+channel without a connection never reached it, and may go to the next one; a call that reached
+it has the scheduler's own answer. Worker channels are opened on first use, one per address.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.channels import internal_channel
+from tandem.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLink:
+    """One scheduler: its stub, and the channel that says whether a call could reach it."""
+
+    stub: scheduler_pb2_grpc.SchedulerServiceStub
+    channel: grpc.aio.Channel
+
+    def reachable(self) -> bool:
+        """False while the channel has no connection (a failed call did not reach the scheduler)."""
+        return self.channel.get_state() == grpc.ChannelConnectivity.READY
+
+
+class Upstream:
+    """Call order: first_turn() per request, scheduler(turn) for each Submit (turn + 1 after one
+    that could not reach its scheduler), stream() for the workers' tokens."""
+
+    def __init__(self, schedulers: Sequence[grpc.aio.Channel],
+                 open_channel: Callable[[str], grpc.aio.Channel] = internal_channel) -> None:
+        if not schedulers:
+            raise ValueError("the gateway needs at least one scheduler address")
+        self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
+        self._turns = itertools.count()
+        self._open_channel = open_channel
+        self._workers: dict[str, worker_pb2_grpc.TokenStreamServiceStub] = {}
+
+    @property
+    def num_schedulers(self) -> int:
+        return len(self._schedulers)
+
+    def first_turn(self) -> int:
+        """Where a new request starts: the schedulers in turn."""
+        return next(self._turns)
+
+    def scheduler(self, turn: int) -> SchedulerLink:
+        return self._schedulers[turn % len(self._schedulers)]
+
+    def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
+               metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
+        """TokenStreamService.Stream on the worker at `address`."""
+        stub = self._workers.get(address)
+        if stub is None:
+            stub = self._workers[address] = worker_pb2_grpc.TokenStreamServiceStub(self._open_channel(address))
+        return stub.Stream(request, timeout=timeout, metadata=metadata)
