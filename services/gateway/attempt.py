@@ -37,6 +37,7 @@ class Attempt:
         self._relay = relay
         self._calls: list[grpc.aio.UnaryStreamCall] = []
         self._tasks: list[asyncio.Task] = []
+        self._watcher: asyncio.Task | None = None
         self._current = True
 
     def start(self, open_stream: OpenStream) -> None:
@@ -49,17 +50,20 @@ class Attempt:
             call = open_stream(address, request)
             self._calls.append(call)
             self._tasks.append(asyncio.ensure_future(self._pump(address, call)))
-        self._tasks.append(asyncio.ensure_future(self._watch()))
+        self._watcher = asyncio.ensure_future(self._watch())
+        self._tasks.append(self._watcher)
 
-    def close(self, finished: bool = False) -> None:
-        """Stop taking this attempt's events, and cancel its calls (aborting what is still running).
-        `finished`: the request's final event came; the Submit call is left to end as the scheduler
-        counts the request completed (it does when the worker's final report reaches it)."""
+    async def settled(self, timeout: float) -> None:
+        """Wait, at most `timeout` seconds, for the Submit call to end: after the final event, the
+        scheduler ends it once it has counted the request finished (its spans and stats with it)."""
+        if self._watcher is not None:
+            await asyncio.wait([self._watcher], timeout=timeout)
+
+    def close(self) -> None:
+        """Stop taking this attempt's events, and cancel its calls (aborting what is still running)."""
         self._current = False
         for call in self._calls:
             call.cancel()
-        if finished:
-            return
         for task in self._tasks:
             task.cancel()
         self.submit.cancel()

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_START_S = 0.1  # no scheduler could be reached before placement: first pause before the next round
 _RETRY_MAX_S = 1.0
+_SETTLE_S = 2.0  # the longest the end of a finished request waits for the scheduler to count it
 
 
 class Generation:
@@ -99,8 +100,11 @@ class Generation:
                     continue
                 self._record(chunk)
                 yield chunk
-                if chunk.stop_string is not None or self._assembler.finished:
-                    return  # a stop string cancels the request upstream at once
+                if chunk.stop_string is not None:
+                    return  # cancels the request upstream at once
+                if self._assembler.finished:
+                    await self._settled()
+                    return
         except grpc.aio.AioRpcError as exc:
             raise self._failed(error_from_rpc(exc)) from None
         except TandemError as exc:
@@ -153,6 +157,12 @@ class Generation:
                 address, request, self._remaining(), self._metadata))
             return attempt
 
+    async def _settled(self) -> None:
+        """The request finished: let the scheduler count it before the gateway's span ends (the
+        client already has its last chunk), so its spans and stats close inside the gateway's."""
+        if self._attempt is not None:
+            await self._attempt.settled(min(_SETTLE_S, max(0.0, self._deadline - time.monotonic())))
+
     def _remaining(self) -> float:
         left = self._deadline - time.monotonic()
         if left <= 0:
@@ -179,7 +189,7 @@ class Generation:
             return
         self._closed = True
         if self._attempt is not None:
-            self._attempt.close(finished=self._assembler.finished and self._relay.closed)
+            self._attempt.close()
         if not self._finished:
             telemetry.record_abandoned(self._span, self._metrics, len(self.prompt_token_ids), self._timings.num_tokens,
                                        self._elapsed_s(), failed=self._error_recorded)
@@ -212,7 +222,7 @@ class Generation:
 
 
 class GenerationPipeline:
-    """Starts generations for one served model against one scheduler and its workers.
+    """Starts generations for one served model against its schedulers and their workers.
 
     `start` does all validation and tokenization before anything goes upstream; the Submit call
     begins when the returned Generation is first iterated. `close()` when done with it.
