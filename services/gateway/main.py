@@ -124,6 +124,7 @@ async def serve(config: GatewayConfig) -> None:
         follower.cancel()
         http_app.set_serving(http, False)
         await http_server.stop()
+        await upstream.close()
         for channel in channels:
             await channel.close()
         pipeline.close()

@@ -34,7 +34,7 @@ class SchedulerLink:
 
 class Upstream:
     """Call order: first_turn() per request, scheduler(turn) for each Submit (turn + 1 after one
-    that could not reach its scheduler), stream() for the workers' tokens."""
+    that could not reach its scheduler), stream() for the workers' tokens; close() last."""
 
     def __init__(self, schedulers: Sequence[grpc.aio.Channel],
                  open_channel: Callable[[str], grpc.aio.Channel] = internal_channel) -> None:
@@ -43,7 +43,7 @@ class Upstream:
         self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
         self._turns = itertools.count()
         self._open_channel = open_channel
-        self._workers: dict[str, worker_pb2_grpc.TokenStreamServiceStub] = {}
+        self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.TokenStreamServiceStub]] = {}
 
     @property
     def num_schedulers(self) -> int:
@@ -59,7 +59,13 @@ class Upstream:
     def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
                metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
         """TokenStreamService.Stream on the worker at `address`."""
-        stub = self._workers.get(address)
-        if stub is None:
-            stub = self._workers[address] = worker_pb2_grpc.TokenStreamServiceStub(self._open_channel(address))
-        return stub.Stream(request, timeout=timeout, metadata=metadata)
+        if address not in self._workers:
+            channel = self._open_channel(address)
+            self._workers[address] = (channel, worker_pb2_grpc.TokenStreamServiceStub(channel))
+        return self._workers[address][1].Stream(request, timeout=timeout, metadata=metadata)
+
+    async def close(self) -> None:
+        """Close the channels it opened to workers (the schedulers' are the caller's)."""
+        for channel, _ in self._workers.values():
+            await channel.close()
+        self._workers.clear()
