@@ -58,9 +58,9 @@ class Attr:
 
 
 class SpanName:
-    """The hops of one request, in the order they happen."""
+    """The hops of one request, in the order they happen. The root, the gateway's HTTP or gRPC
+    server span, is named as the GenAI conventions ask: see `gateway_span_name`."""
 
-    GATEWAY = "gateway.generate"  # root: the HTTP or gRPC server span
     SCHEDULER_SUBMIT = "scheduler.submit"
     SCHEDULER_QUEUE = "scheduler.queue"  # wait for admission
     SCHEDULER_ROUTE = "scheduler.route"  # the routing decision, with candidate scores
@@ -71,6 +71,11 @@ class SpanName:
     DECODE = "decode.request"
     COLOCATED = "colocated.request"  # a colocated worker's stay: its prefill iterations, then its decode
     RELAY = "scheduler.relay"  # token events relayed back to the gateway
+
+
+def gateway_span_name(operation: str, model: str) -> str:
+    """The gateway's root span: `{gen_ai.operation.name} {gen_ai.request.model}`, e.g. "chat SmolLM2-135M-Instruct"."""
+    return f"{operation} {model}"
 
 
 class Event:

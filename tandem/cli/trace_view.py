@@ -169,8 +169,8 @@ def ttft_phases(spans: Iterable[SpanRecord]) -> list[Phase]:
     colocated worker has no transfer and its prefill ends at its first token."""
     by_name: dict[str, SpanRecord] = {}
     for span in sorted(spans, key=lambda s: s.start_ns):
-        by_name.setdefault(span.name, span)
-    root, queue = by_name.get(SpanName.GATEWAY), by_name.get(SpanName.SCHEDULER_QUEUE)
+        by_name.setdefault(span.name if span.parent_span_id else "root", span)
+    root, queue = by_name.get("root"), by_name.get(SpanName.SCHEDULER_QUEUE)
     route = by_name.get(SpanName.SCHEDULER_ROUTE)
     prefill = by_name.get(SpanName.PREFILL) or by_name.get(SpanName.COLOCATED)
     sent, received = by_name.get(SpanName.KV_SEND), by_name.get(SpanName.KV_RECEIVE)
@@ -261,7 +261,7 @@ def render_text(request_id: str, roots: list[SpanNode], bar_width: int = 40, col
             lines.append(" " * (2 * depth + 4) + details)
     phases = ttft_phases(n.span for _, n in rows)
     if phases:
-        lines.append(_ttft_heading(rows, t0))
+        lines.append(_ttft_heading(rows))
         for phase in phases:
             bar = _bar(phase.start_ns - t0, phase.end_ns - t0, total, bar_width)
             lines.append(f"{('  ' + phase.name).ljust(name_width)}  {''.ljust(service_width)}  "
@@ -269,9 +269,8 @@ def render_text(request_id: str, roots: list[SpanNode], bar_width: int = 40, col
     return "\n".join(lines)
 
 
-def _ttft_heading(rows: list[tuple[int, SpanNode]], t0: int) -> str:
-    root = rows[0][1].span
-    ttft = _ttft_s(root) if root.name == SpanName.GATEWAY else None
+def _ttft_heading(rows: list[tuple[int, SpanNode]]) -> str:
+    ttft = _ttft_s(rows[0][1].span)
     at = f": the client's first token at {_ms(ttft)}" if ttft is not None else ""
     return f"where the time to first token went{at}"
 

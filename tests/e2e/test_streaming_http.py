@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import tandem
+from services.common.model_store import DEFAULT_MODEL_NAME
+from services.common.spans import gateway_span_name
 from services.common.tokenizer import TextCodec
 from tests.e2e.api import API_KEY, AUTH, prompt_of, sse_events, wait_aborted_and_idle
 from tests.waiting import DEADLINE_S, wait_until
@@ -87,7 +89,7 @@ def test_the_request_id_header_finds_the_trace_of_the_trace_id_header(http, mesh
     trace = whole_trace(mesh_run_dir, "e2e-trace-1")
     (span,) = trace["spans"]  # one root
     assert (span["name"], span["trace_id"], span["attributes"]["tandem.request_id"]) == (
-        "gateway.generate", response.headers["x-trace-id"], "e2e-trace-1")
+        gateway_span_name("text_completion", DEFAULT_MODEL_NAME), response.headers["x-trace-id"], "e2e-trace-1")
     assert {child["name"] for child in span["children"]} == {"scheduler.submit"}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -14,11 +15,21 @@ from typing import Any
 
 import pytest
 
-from services.common.spans import Attr, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
+from services.common.spans import (
+    Attr,
+    SpanEvent,
+    SpanName,
+    SpanRecord,
+    SpanStart,
+    encode_records,
+    gateway_span_name,
+    span_file,
+)
 from services.common.tracing import extract_context, inject_metadata, setup_tracing
 from tandem.cli import main as cli
 from tandem.cli import trace
 
+GATEWAY = gateway_span_name("chat", "SmolLM2-135M-Instruct")
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -42,7 +53,7 @@ TOKEN_ARRIVALS_MS = [120.0 + 10 * i for i in range(10)] + [310.0 + 10 * i for i 
 
 def _request_7() -> list[SpanRecord]:
     """One request through gateway, scheduler, prefill (two chunks) and decode."""
-    root = _span(1, None, SpanName.GATEWAY, "gateway", 0, 400, **{
+    root = _span(1, None, GATEWAY, "gateway", 0, 400, **{
         Attr.GEN_AI_OPERATION_NAME: "chat", Attr.GEN_AI_REQUEST_MODEL: "SmolLM2-135M-Instruct",
         Attr.GEN_AI_USAGE_INPUT_TOKENS: 28, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 20,
         Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"], Attr.TTFT_S: 0.12, Attr.ITL_MAX_S: 0.031,
@@ -76,7 +87,7 @@ def _request_7() -> list[SpanRecord]:
 
 # Pre-order of the tree above: (depth, name).
 EXPECTED_ROWS = [
-    (0, SpanName.GATEWAY), (1, SpanName.SCHEDULER_SUBMIT), (2, SpanName.SCHEDULER_QUEUE),
+    (0, GATEWAY), (1, SpanName.SCHEDULER_SUBMIT), (2, SpanName.SCHEDULER_QUEUE),
     (2, SpanName.SCHEDULER_ROUTE), (2, SpanName.PREFILL), (3, SpanName.PREFILL_ITERATION),
     (3, SpanName.PREFILL_ITERATION), (3, SpanName.KV_SEND), (4, SpanName.KV_RECEIVE), (2, SpanName.RELAY),
     (2, SpanName.DECODE),
@@ -84,7 +95,7 @@ EXPECTED_ROWS = [
 
 
 def _other_request(request_id: str, trace_id: str, t0: int) -> list[SpanRecord]:
-    root = _span(1, None, SpanName.GATEWAY, "gateway", 0, 50, trace_id=trace_id, request_id=request_id, t0=t0,
+    root = _span(1, None, GATEWAY, "gateway", 0, 50, trace_id=trace_id, request_id=request_id, t0=t0,
                  **{Attr.GEN_AI_USAGE_INPUT_TOKENS: 5, Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 1,
                     Attr.GEN_AI_RESPONSE_FINISH_REASONS: ["length"], Attr.TTFT_S: 0.04})
     return [root, _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 1, 49, trace_id=trace_id,
@@ -130,9 +141,9 @@ def _rows(text: str) -> list[tuple[int, str]]:
     names = {name for _, name in EXPECTED_ROWS}
     rows = []
     for line in text.splitlines():
-        words = line.split()
-        if words and words[0] in names and "|" in line:
-            rows.append(((len(line) - len(line.lstrip())) // 2, words[0]))
+        name = re.split(r"\s{2,}", line.strip())[0]  # columns are two spaces apart; a name has single ones
+        if name in names and "|" in line:
+            rows.append(((len(line) - len(line.lstrip())) // 2, name))
     return rows
 
 
@@ -243,8 +254,8 @@ def test_a_request_with_only_start_lines_is_still_running(tmp_path: Path,
 
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path))
     assert (code, out) == (3, "")
-    assert err == ("tandem trace: request 'req-7' is still running: 2 span(s) not written yet (gateway.generate, "
-                   "scheduler.submit); rerun in a moment, or pass --wait SECONDS\n")
+    assert err == ("tandem trace: request 'req-7' is still running: 2 span(s) not written yet "
+                   f"({GATEWAY}, scheduler.submit); rerun in a moment, or pass --wait SECONDS\n")
 
 
 def test_wait_polls_until_the_trace_is_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -301,7 +312,7 @@ def test_traces_written_by_the_services_read_back(tmp_path: Path, monkeypatch: p
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     gateway = setup_tracing("gateway", tmp_path, install_global=False)
     decode = setup_tracing("decode", tmp_path, instance=DECODE, install_global=False)
-    with gateway.get_tracer("t").start_as_current_span(SpanName.GATEWAY, attributes={Attr.REQUEST_ID: "r1"}):
+    with gateway.get_tracer("t").start_as_current_span(GATEWAY, attributes={Attr.REQUEST_ID: "r1"}):
         remote = extract_context(inject_metadata())
         with decode.get_tracer("t").start_as_current_span(SpanName.DECODE, context=remote):
             pass
@@ -309,7 +320,7 @@ def test_traces_written_by_the_services_read_back(tmp_path: Path, monkeypatch: p
     decode.shutdown()
 
     code, out, _ = _run(capsys, "r1", "--run-dir", str(tmp_path))
-    assert code == 0 and _rows(out) == [(0, SpanName.GATEWAY), (1, SpanName.DECODE)]
+    assert code == 0 and _rows(out) == [(0, GATEWAY), (1, SpanName.DECODE)]
     assert f"decode@{DECODE}" in out
 
 
@@ -403,7 +414,7 @@ def test_unreachable_jaeger_is_a_clear_error(capsys: pytest.CaptureFixture[str])
 
 def test_piped_into_head_it_ends_quietly(tmp_path: Path) -> None:
     """`tandem trace --last N | head -1`: the reader leaves early; no BrokenPipe traceback."""
-    roots = [_span(i + 1, None, SpanName.GATEWAY, "gateway", i, i + 5, trace_id=f"{i + 1:032x}",
+    roots = [_span(i + 1, None, GATEWAY, "gateway", i, i + 5, trace_id=f"{i + 1:032x}",
                    request_id=f"req-{i}") for i in range(3000)]  # ~250 KB of rows, past any pipe buffer
     _write(tmp_path, roots, started=[])
     command = f"{sys.executable} -m tandem.cli trace --last 3000 --run-dir {tmp_path} | head -1; " \

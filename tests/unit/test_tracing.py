@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from services.common.spans import SpanRecord, load_span_files
+from services.common.spans import SpanRecord, gateway_span_name, load_span_files
 from services.common.tracing import (
     Attr,
     Event,
@@ -38,6 +38,7 @@ GENAI_REQUEST = {
     Attr.GEN_AI_REQUEST_TEMPERATURE: 0.0,
     Attr.GEN_AI_REQUEST_TOP_P: 1.0,
 }
+GATEWAY = gateway_span_name("chat", "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +55,7 @@ def test_spans_of_two_services_link_through_grpc_metadata(tmp_path: Path) -> Non
     gateway = setup_tracing("gateway", tmp_path, install_global=False)
     scheduler = setup_tracing("scheduler", tmp_path, instance="127.0.0.1:50052", install_global=False)
     attributes = {Attr.REQUEST_ID: "req-1", **GENAI_REQUEST}
-    with gateway.get_tracer("test").start_as_current_span(SpanName.GATEWAY, kind=SpanKind.SERVER,
+    with gateway.get_tracer("test").start_as_current_span(GATEWAY, kind=SpanKind.SERVER,
                                                           attributes=attributes) as root:
         metadata = inject_metadata()
         remote = extract_context(metadata)
@@ -73,7 +74,7 @@ def test_spans_of_two_services_link_through_grpc_metadata(tmp_path: Path) -> Non
 
     loaded = load_span_files(tmp_path)
     spans = _by_name(loaded.spans)
-    root_span, submit_span, queue_span = (spans[n] for n in (SpanName.GATEWAY, SpanName.SCHEDULER_SUBMIT,
+    root_span, submit_span, queue_span = (spans[n] for n in (GATEWAY, SpanName.SCHEDULER_SUBMIT,
                                                               SpanName.SCHEDULER_QUEUE))
     assert [p.name for p in loaded.files] == ["spans-gateway.jsonl", "spans-scheduler.jsonl"]
     assert len(loaded.spans) == 3 and loaded.malformed_lines == 0
@@ -146,7 +147,7 @@ def test_token_timings_aggregate_instead_of_per_token_spans() -> None:
             timings.record(now_ns=1_230_000_000), timings.record(num_tokens=2, now_ns=1_240_000_000)]
     exporter = InMemorySpanExporter()
     provider = setup_tracing("gateway", exporter=exporter, install_global=False)
-    span = provider.get_tracer("test").start_span(SpanName.GATEWAY, start_time=1_000_000_000)
+    span = provider.get_tracer("test").start_span(GATEWAY, start_time=1_000_000_000)
     timings.annotate(span)
     span.end(end_time=1_300_000_000)
     provider.force_flush()
