@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=tuple(ROLE_MODULES), default="colocated", help="what every worker does")
     add_option(parser, "--count", type=_positive, default=1, env="TANDEM_SIM_COUNT", help="simulated workers")
     add_option(parser, "--step-ms", type=float, default=20.0, env="TANDEM_SIM_STEP_MS",
-               help="time of one iteration; each running request gets a token per iteration")
+               help="time of one iteration; each running request gets a token per iteration, so a stream "
+                    "runs at 1000/step-ms tokens/s")
     add_option(parser, "--prefill-tokens-per-s", type=float, default=0.0, env="TANDEM_SIM_PREFILL_TOKENS_PER_S",
                help="prompt tokens an iteration computes per second, on top of --step-ms (0: free)")
     add_option(parser, "--kv-blocks", type=_positive, default=4096, env="TANDEM_SIM_KV_BLOCKS",
@@ -69,10 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--max-seqs", type=_positive, default=64, env="TANDEM_SIM_MAX_SEQS",
                help="requests one iteration runs at most")
     # A real worker's flags, so a simulated one is configured (and authenticates) as a real one is.
-    # --port is the first worker's (worker i listens on port+i; 0: a free port each); --worker-id,
-    # when given, is a prefix (ID-i); --device, --threads, --kv-memory and --attention are not used.
     main_common.add_arguments(parser, _spec("colocated"))
     parser.set_defaults(port=0, metrics_port=0)
+    parser.epilog = ("Of a real worker's flags, --port is the first worker's (worker i listens on port+i; 0: a free "
+                     "port each) and --worker-id a prefix (ID-0, ID-1, ...); the model directory gives only the "
+                     "vocabulary, end-of-sequence ids and context length; --device, --threads, --kv-memory, "
+                     "--attention and --metrics-port are not used.")
 
 
 def _positive(text: str) -> int:
@@ -124,8 +127,9 @@ async def run(sim: SimConfig, base: WorkerConfig, spec: RoleSpec) -> int:
     tracing = setup_tracing(f"sim-{spec.name}")
     workers: list[SimWorker] = []
     try:
+        make_engine = engine_factory(sim)
         starting = asyncio.ensure_future(asyncio.gather(
-            *(start_worker(config, spec, channels, engine_factory(sim)) for config in worker_configs(sim, base)),
+            *(start_worker(config, spec, channels, make_engine) for config in worker_configs(sim, base)),
             return_exceptions=True))
         if not await main_common.first_done(starting, stopping.wait()):
             return 0

@@ -1,6 +1,7 @@
 """`tandem sim-worker` against a real scheduler and gateway: simulated workers register, serve a
 request through the gateway with their deterministic tokens, report its prompt's blocks to the
-prefix index (a repeat is routed to them with a prefix hit) and free every block afterwards."""
+prefix index (a repeat is routed to them with a prefix hit) and free every block afterwards; a
+prefill and a decode sim worker hand the KV over and continue the same tokens."""
 
 from __future__ import annotations
 
@@ -90,3 +91,17 @@ def test_a_request_gets_deterministic_tokens_then_its_blocks_are_indexed_and_fre
     repeat = cluster.scheduler_stats(recent_routes=1).recent_routes[-1]
     assert (repeat.prefill_worker_id, repeat.matched_prefix_blocks) == (serving, 2)
     wait_until(lambda: idle_with_cache() is not None, "the serving sim worker idle again")
+
+
+def test_prefill_and_decode_sim_workers_hand_over_and_continue_the_same_tokens(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    specs = [SimSpec(role="prefill", step_ms=2.0, kv_blocks=NUM_BLOCKS),
+             SimSpec(role="decode", step_ms=2.0, kv_blocks=NUM_BLOCKS)]
+    disaggregated = SimCluster.start(tmp_path, specs, model=default_model_dir)
+    try:
+        assert generate(disaggregated, PROMPT, MAX_TOKENS) == EXPECTED
+        route = disaggregated.scheduler_stats(recent_routes=1).recent_routes[-1]
+        assert route.prefill_worker_id.startswith("prefill-") and route.decode_worker_id.startswith("decode-")
+        assert route.reserved_blocks == 3  # 40 prompt tokens and the first token: 41 tokens of KV room
+    finally:
+        disaggregated.stop()
