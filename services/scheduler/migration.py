@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
+from services.common.errors import InvalidRequest
 from services.common.wire import DEFAULT_MAX_TOKENS
 from tandem.v1 import scheduler_pb2
 
@@ -29,6 +30,20 @@ def refusal(request: scheduler_pb2.SubmitRequest, delivered: int, migrations: in
     if delivered and (sampling.presence_penalty or sampling.frequency_penalty):
         return "presence and frequency penalties count output tokens, which a continuation cannot tell apart"
     return None
+
+
+def check_continuation(request: scheduler_pb2.SubmitRequest) -> None:
+    """A continuation's fields make sense (InvalidRequest naming the field otherwise)."""
+    if request.migration < 0:
+        raise InvalidRequest("migration", f"must be >= 0 (0: a new request), got {request.migration}")
+    delivered = len(request.delivered_token_ids)
+    if delivered and not request.migration:
+        raise InvalidRequest("delivered_token_ids", "are for a continuation only (migration > 0)")
+    sampling = request.sampling
+    limit = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if delivered >= limit:
+        raise InvalidRequest("delivered_token_ids", f"{delivered} token(s) delivered of max_tokens {limit}: "
+                                                    "nothing is left to generate")
 
 
 def continuation(request: scheduler_pb2.SubmitRequest, delivered: Sequence[int],

@@ -10,6 +10,7 @@ from services.common.block_hash import BlockHash
 from services.common.errors import InvalidRequest
 from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
+from services.scheduler import migration
 from services.scheduler.dispatcher import Dispatcher
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -31,6 +32,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise InvalidRequest("request_id", "must not be empty")
         if not request.token_ids:
             raise InvalidRequest("token_ids", "must hold the prompt's tokens")
+        migration.check_continuation(request)
         return self._dispatcher.submit(request, context)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:

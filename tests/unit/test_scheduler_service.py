@@ -643,6 +643,23 @@ async def test_a_continuation_with_a_presence_penalty_and_tokens_delivered_is_re
         assert [r.request_id for r in mesh.workers["p-0"].called("Prefill")] == ["r2#migrated-1"]
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(migration=-1), "migration: must be >= 0 (0: a new request), got -1"),
+    (dict(migration=0, delivered_token_ids=[token(0)]),
+     "delivered_token_ids: are for a continuation only (migration > 0)"),
+    (dict(migration=1, delivered_token_ids=[token(i) for i in range(4)]),
+     "delivered_token_ids: 4 token(s) delivered of max_tokens 4: nothing is left to generate"),
+])
+async def test_a_continuation_that_makes_no_sense_is_invalid_and_changes_nothing(fields, message) -> None:
+    async with scheduler("p-0", "d-0") as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(mesh.submit("r1", **fields))
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        stats = await mesh.idle()
+        assert (stats.submitted, stats.failed) == (0, 0)
+        assert mesh.workers["p-0"].calls == mesh.workers["d-0"].calls == []
+
+
 async def test_a_continuation_with_no_worker_left_is_unavailable() -> None:
     async with scheduler("p-0", "d-0", ttl=3600.0, **{"d-0": dict(hold=True)}) as mesh:
         await lost_after_kill(mesh.submit("r1"), mesh.workers["d-0"])
