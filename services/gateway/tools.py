@@ -196,7 +196,7 @@ class ToolCallReader:
 def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"type": "string", "enum": [function.name]},
                                              "parameters": _parameters(function)},
-            "required": ["name", "parameters"]}
+            "required": ["name", "parameters"], "additionalProperties": False}
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:

@@ -65,10 +65,10 @@ def test_forced_schemas():
     assert named.json_schema() == {"type": "object"}
     assert ToolPlan.of([WEATHER, CLOCK], "required", False).json_schema() == {
         "type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
-            {"type": "object", "required": ["name", "parameters"], "properties": {
+            {"type": "object", "required": ["name", "parameters"], "additionalProperties": False, "properties": {
                 "name": {"type": "string", "enum": ["get_weather"]},
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
-            {"type": "object", "required": ["name", "parameters"], "properties": {
+            {"type": "object", "required": ["name", "parameters"], "additionalProperties": False, "properties": {
                 "name": {"type": "string", "enum": ["get_time"]}, "parameters": {"type": "object"}}}]}}
 
 
