@@ -57,7 +57,7 @@ LLAMA_START_TIMEOUT_S = 120
 class Server:
     name: str
     is_tandem: bool
-    command: str  # how to start it by hand ("" for a server already running)
+    command: str  # how to start it by hand (PORT: any free port; "" for a server already running)
     open: Callable[[], ContextManager[str]]  # yields its base URL while it runs
 
 
@@ -83,7 +83,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def llama_server_command(binary: Path, gguf: Path, port: int, args: argparse.Namespace) -> list[str]:
+def llama_server_command(binary: Path, gguf: Path, port: int | str, args: argparse.Namespace) -> list[str]:
     """llama-server on loopback with `--llama-slots` parallel slots of `--llama-ctx` tokens each and all
     the cores, as `tandem up` gives its workers."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
@@ -145,10 +145,13 @@ def _llama_peer(spec: str, args: argparse.Namespace) -> Server:
     if not binary.is_file():
         raise SystemExit(f"{binary}: missing; build it with scripts/build_llama_cpp.sh or pass --llama-cpp-bin DIR")
     path = Path(gguf) if gguf else find_default_gguf()
-    port = free_port()
-    command = llama_server_command(binary, path, port, args)
-    return Server(f"llama.cpp {path.stem.rsplit('.', 1)[-1]}", False, shlex.join(command),
-                  lambda: running(command, f"http://127.0.0.1:{port}"))
+
+    def start() -> ContextManager[str]:
+        port = free_port()  # picked at its turn: the port must still be free when it starts
+        return running(llama_server_command(binary, path, port, args), f"http://127.0.0.1:{port}")
+
+    return Server(f"llama.cpp {path.stem.rsplit('.', 1)[-1]}", False,
+                  shlex.join(llama_server_command(binary, path, "PORT", args)), start)
 
 
 def measure(server: Server, scenarios: list[Scenario], slo: Slo, time_limit_s: float,
