@@ -18,8 +18,9 @@ from services.runtime.sampler import SamplingParams
 from services.runtime.sequence import FinishReason
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
 
-SEEDS = range(16)
-MIXED_ROWS = 4  # parity prompts run plain and constrained side by side in one batch
+SEEDS = range(12)
+MIXED_ROWS = 4  # parity prompts decoded greedily, unconstrained, in the constrained rows' batch
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
 PERSON = {
     "type": "object",
     "properties": {
@@ -32,6 +33,13 @@ PERSON = {
     "additionalProperties": False,
 }
 CHOICES = ("positive", "negative", "neutral")
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CONSTRAINED = {  # row kind: (prompt text, constraint)
+    "json": ("Describe a user as JSON:", StructuredOutput("json_schema", json.dumps(PERSON))),
+    "object": ("A JSON object:", StructuredOutput("json_object")),
+    "choice": ("The sentiment of 'I loved it' is", StructuredOutput("choice", choices=CHOICES)),
+    "regex": ("A US phone number:", StructuredOutput("regex", PHONE)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,54 +70,52 @@ def sampled(structured: StructuredOutput, seed: int, max_tokens: int = 64) -> Sa
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured=structured)
 
 
-def test_json_schema_outputs_validate_for_every_seed(engine, codec):
-    prompt = codec.encode("Describe a user as JSON:")
-    constraint = StructuredOutput("json_schema", json.dumps(PERSON))
-    results = run(engine, {f"json-{s}": (prompt, sampled(constraint, s)) for s in SEEDS})
+@pytest.fixture(scope="module")
+def batch(engine, codec, parity_prompts) -> dict[str, tuple[list[int], str]]:
+    """One batch of every kind of row: JSON schema, JSON object, choice and regex rows sampled over
+    many seeds, and unconstrained greedy rows (parity prompts), side by side."""
+    requests = {f"plain-{i}": (p, GREEDY) for i, p in enumerate(parity_prompts[:MIXED_ROWS])}
+    for kind, (text, constraint) in CONSTRAINED.items():
+        requests |= {f"{kind}-{s}": (codec.encode(text), sampled(constraint, s)) for s in SEEDS}
+    return run(engine, requests)
+
+
+def rows(batch: dict[str, tuple[list[int], str]], kind: str) -> list[tuple[list[int], str]]:
+    return [result for rid, result in batch.items() if rid.rsplit("-", 1)[0] == kind]
+
+
+def test_json_schema_outputs_validate_for_every_seed(batch, engine, codec):
     texts = set()
-    for rid, (tokens, reason) in results.items():
+    for tokens, reason in rows(batch, "json"):
         text = codec.decode(tokens)
         jsonschema.validate(json.loads(text), PERSON)
-        assert reason == "stop", rid
+        assert reason == "stop", text
         assert tokens[-1] not in engine.model_config.eos_token_ids  # the grammar ended it, not EOS
         texts.add(text)
     assert len(texts) > 1  # the seeds really sampled
 
 
-def test_json_object_outputs_parse_as_objects(engine, codec):
-    prompt = codec.encode("A JSON object:")
-    results = run(engine, {f"obj-{s}": (prompt, sampled(StructuredOutput("json_object"), s, 96)) for s in SEEDS[:8]})
-    for tokens, reason in results.values():
+def test_json_object_outputs_parse_as_objects(batch, codec):
+    for tokens, reason in rows(batch, "object"):
         if reason == "stop":
             assert isinstance(json.loads(codec.decode(tokens)), dict)
         else:  # an open-ended object may still be open at max_tokens; it is a valid prefix then
             assert reason == "length" and codec.decode(tokens).startswith("{")
 
 
-def test_choice_yields_only_the_choices(engine, codec):
-    prompt = codec.encode("The sentiment of 'I loved it' is")
-    constraint = StructuredOutput("choice", choices=CHOICES)
-    results = run(engine, {f"choice-{s}": (prompt, sampled(constraint, s)) for s in SEEDS})
-    for tokens, reason in results.values():
+def test_choice_yields_only_the_choices(batch, codec):
+    for tokens, reason in rows(batch, "choice"):
         assert codec.decode(tokens) in CHOICES and reason == "stop"
 
 
-def test_regex_outputs_match(engine, codec):
-    prompt = codec.encode("A US phone number:")
-    pattern = r"\(\d{3}\) \d{3}-\d{4}"
-    results = run(engine, {f"re-{s}": (prompt, sampled(StructuredOutput("regex", pattern), s)) for s in SEEDS})
-    for tokens, reason in results.values():
-        assert re.fullmatch(pattern, codec.decode(tokens)) and reason == "stop"
+def test_regex_outputs_match(batch, codec):
+    for tokens, reason in rows(batch, "regex"):
+        assert re.fullmatch(PHONE, codec.decode(tokens)) and reason == "stop"
 
 
-def test_unconstrained_rows_of_a_mixed_batch_match_hf(engine, parity_prompts, parity_references):
-    greedy = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
-    constrained = sampled(StructuredOutput("json_schema", json.dumps(PERSON)), 0)
-    requests = {f"plain-{i}": (p, greedy) for i, p in enumerate(parity_prompts[:MIXED_ROWS])}
-    requests |= {f"json-{i}": (p, constrained) for i, p in enumerate(parity_prompts[:MIXED_ROWS])}
-    results = run(engine, requests)
+def test_unconstrained_rows_of_a_mixed_batch_match_hf(batch, parity_references):
     for i, reference in enumerate(parity_references[:MIXED_ROWS]):
-        assert_matches(results[f"plain-{i}"][0], reference, f"mixed batch prompt {i}")
+        assert_matches(batch[f"plain-{i}"][0], reference, f"mixed batch prompt {i}")
 
 
 def test_logit_bias_bans_the_greedy_token(engine, codec):
