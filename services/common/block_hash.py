@@ -36,25 +36,32 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra_keys: tupl
     return BlockHash(digest.hexdigest())
 
 
-def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[BlockHash]:
+def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "", adapter: str = "") -> list[BlockHash]:
     """The hashes of every full block of `token_ids`; a trailing partial block has none.
 
-    Block i is chained on block i-1. A non-empty `salt` is an extra key of the first block only:
-    through the chain it separates every later block as well.
+    Block i is chained on block i-1. A non-empty `salt` (the tenant's) and `adapter` (a LoRA
+    adapter's name) are extra keys of the first block only: through the chain they separate
+    every later block as well, so no block is shared across tenants or adapters.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_next_block(parent, token_ids[start : start + block_size], salt)
+        parent = hash_next_block(parent, token_ids[start : start + block_size], salt, adapter)
         hashes.append(parent)
     return hashes
 
 
-def hash_next_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") -> BlockHash:
-    """One link of `hash_chain`: the salt is an extra key of the first block (no parent) only."""
-    return hash_block(parent, tokens, (salt,) if salt and parent is None else ())
+def hash_next_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "", adapter: str = "") -> BlockHash:
+    """One link of `hash_chain`: salt and adapter are extra keys of the first block (no parent) only.
+
+    The keys' count tells them apart: (salt,), ("lora", adapter) or (salt, "lora", adapter), and a
+    chain with neither keeps the hashes it always had.
+    """
+    if parent is not None:
+        return hash_block(parent, tokens)
+    return hash_block(None, tokens, ((salt,) if salt else ()) + (("lora", adapter) if adapter else ()))
 
 
 def _encode_parent(parent: BlockHash | None) -> bytes:

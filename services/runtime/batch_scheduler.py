@@ -128,7 +128,7 @@ class IterationScheduler:
         """Acquires the cached blocks of `seq`'s longest cached prefix, always leaving a token to compute."""
         size = self.blocks.block_size
         usable = (seq.num_tokens - 1) // size
-        hashes = hash_chain(seq.token_ids, size, seq.salt)[:usable]
+        hashes = hash_chain(seq.token_ids, size, seq.salt, seq.lora)[:usable]
         token_blocks = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(usable)]
         hits = self.blocks.match_prefix(hashes, token_blocks)
         self.blocks.acquire(hits)

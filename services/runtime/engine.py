@@ -21,6 +21,7 @@ from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.grammar import GrammarCompiler
 from services.runtime.kv_cache import PagedKVCache
+from services.runtime.lora import LoraManager
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
 from services.runtime.precision import Precision
@@ -42,6 +43,7 @@ class EngineConfig:
     precision: Precision = Precision()  # activations' and KV dtype, weights' format (runtime/precision.py)
     attention_backend: str = "auto"
     num_threads: int | None = None
+    max_loras: int = 4  # LoRA adapters loaded at once (runtime/lora.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,9 +72,12 @@ class IterationWork:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
-        """`grammars` compiles structured-output constraints; without it they are refused."""
+    def __init__(self, model: CausalLM, config: EngineConfig, grammars: GrammarCompiler | None = None,
+                 loras: LoraManager | None = None) -> None:
+        """`grammars` compiles structured-output constraints; without it they are refused. `loras`
+        serves requests that name an adapter; without it they are refused."""
         self.config = config
+        self.loras = loras
         self.grammars = grammars
         self.model = model
         self.model_config = model.config
@@ -89,13 +94,16 @@ class Engine:
             chunk_size=config.chunk_size or config.max_num_batched_tokens,
             enable_prefix_cache=config.enable_prefix_cache,
         ), on_allocate=self.cache.initialize)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, loras)
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self._requests: dict[str, Sequence] = {}
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None,
+                       lora_sources: dict[str, Path] | None = None) -> Engine:
+        """`lora_sources` (served name -> adapter directory, `lora.lora_sources`) are the adapters
+        requests may name."""
         config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -103,7 +111,8 @@ class Engine:
         backend = select_backend(config.attention_backend, device)
         model = CausalLM.from_model_dir(model_dir, backend, config.precision, device)
         grammars = GrammarCompiler(Path(model_dir), model.config.vocab_size, model.config.eos_token_ids)
-        return cls(model, config, grammars)
+        loras = LoraManager(lora_sources, config.max_loras, model.config, config.dtype, device) if lora_sources else None
+        return cls(model, config, grammars, loras)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -115,19 +124,22 @@ class Engine:
         salt: str = "",
         stop_after_prefill: bool = False,
         seed: int | None = None,
+        lora: str = "",
     ) -> None:
+        """`lora` names the adapter (LoraManager's served name) the request runs under; "" for none."""
         self._check_new(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, resolve_seed(seed if seed is not None else params.seed),
-                       salt=salt, stop_after_prefill=stop_after_prefill)
+                       salt=salt, lora=lora, stop_after_prefill=stop_after_prefill)
         self._attach_grammar(seq)
-        self._requests[request_id] = seq
+        self._track(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drops the request wherever it is in the engine and frees its blocks at once; False if unknown."""
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return False
+        self._forget(seq)
         self.scheduler.remove(seq)
         self.scheduler.release_blocks(seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
@@ -180,7 +192,7 @@ class Engine:
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_next_block(parent, tokens, seq.salt)
+            block_hash = hash_next_block(parent, tokens, seq.salt, seq.lora)
             seq.block_hashes.append(block_hash)
             self.blocks.commit(seq.block_table[index], block_hash, tokens)
 
@@ -194,7 +206,7 @@ class Engine:
         if seq.status.is_finished:
             self.scheduler.remove(seq)
             self.scheduler.release_blocks(seq)
-            del self._requests[seq.request_id]
+            self._forget(seq)
         elif seq.stop_after_prefill:
             seq.status = SequenceStatus.PREFILLED
             self.scheduler.remove(seq)
@@ -245,6 +257,20 @@ class Engine:
         start = seq.num_prompt_tokens - structured.num_generated_prompt_tokens
         seq.grammar = self.grammars.matcher(structured, seq.token_ids[start:])
 
+    def _track(self, seq: Sequence) -> None:
+        """The engine holds `seq` from now on, and its adapter stays loaded until `_forget`."""
+        if seq.lora:
+            if self.loras is None:
+                raise ValueError(f"request {seq.request_id!r} names LoRA adapter {seq.lora!r} but this engine serves "
+                                 "no adapters; start the worker with --lora NAME=DIR")
+            self.loras.acquire(seq.lora)
+        self._requests[seq.request_id] = seq
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._requests[seq.request_id]
+        if seq.lora:
+            self.loras.release(seq.lora)
+
     # -- the KV hand-off (services/runtime/kv_handoff.py) ----------------------------------
 
     def take_prefilled(self, request_id: str) -> Sequence:
@@ -252,7 +278,7 @@ class Engine:
         seq = self._requests.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV to export")
-        del self._requests[request_id]
+        self._forget(seq)
         return seq
 
     def add_running(self, seq: Sequence) -> None:
@@ -260,7 +286,7 @@ class Engine:
         if seq.request_id in self._requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self._attach_grammar(seq)
-        self._requests[seq.request_id] = seq
+        self._track(seq)
         self.scheduler.add_running(seq)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

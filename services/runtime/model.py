@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from services.runtime.attention import AttentionBackend, BatchMetadata
 from services.runtime.kv_cache import PagedKVCache
 from services.runtime.loader import WeightReader
+from services.runtime.lora import LoraBatch
 from services.runtime.precision import Precision
 from services.runtime.quantization import DenseLinear, Linear, SplitLinear, make_linear
 from services.common.model_config import ModelConfig
@@ -120,24 +121,28 @@ class CausalLM:
         return self.embed.dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: PagedKVCache) -> torch.Tensor:
-        """Runs the batch, writing its K/V into `cache`; returns logits `[len(logits_indices), vocab]`."""
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: PagedKVCache,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Runs the batch, writing its K/V into `cache`; returns logits `[len(logits_indices), vocab]`.
+        `lora` adds each row's adapter update to its projections."""
         hidden = F.embedding(input_ids, self.embed)
         cos = self.cos[meta.positions].unsqueeze(1)
         sin = self.sin[meta.positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(index)
+            project = _Projections(layer, index, lora)
             hidden = hidden + self._attention(rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps),
-                                              layer, cos, sin, k_cache, v_cache, meta)
-            hidden = hidden + self._mlp(rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps), layer)
+                                              project, layer, cos, sin, k_cache, v_cache, meta)
+            hidden = hidden + self._mlp(rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps), project)
         sampled = rms_norm(hidden[meta.logits_indices], self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(sampled).float()
 
-    def _attention(self, x, layer: LayerWeights, cos, sin, k_cache, v_cache, meta: BatchMetadata):
+    def _attention(self, x, project: _Projections, layer: LayerWeights, cos, sin, k_cache, v_cache,
+                   meta: BatchMetadata):
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = project("qkv", x).split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -147,12 +152,27 @@ class CausalLM:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return layer.o_proj(out.reshape(x.shape[0], q_size))
+        return project("o_proj", out.reshape(x.shape[0], q_size))
 
     @staticmethod
-    def _mlp(x, layer: LayerWeights):
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+    def _mlp(x, project: _Projections):
+        gate, up = project("gate_up", x).chunk(2, dim=-1)
+        return project("down", F.silu(gate) * up)
+
+
+class _Projections:
+    """One layer's projections by fused name (qkv, o_proj, gate_up, down), each plus its rows'
+    adapter updates when the batch has adapters."""
+
+    __slots__ = ("layer", "index", "lora")
+
+    def __init__(self, layer: LayerWeights, index: int, lora: LoraBatch | None) -> None:
+        self.layer, self.index, self.lora = layer, index, lora
+
+    def __call__(self, fused: str, x: torch.Tensor) -> torch.Tensor:
+        out = getattr(self.layer, fused)(x)
+        delta = self.lora.delta(self.index, fused, x) if self.lora is not None else None
+        return out if delta is None else out + delta
 
 
 class _Weights:

@@ -12,6 +12,7 @@ from services.common.blocks import ceil_div
 from services.runtime.attention import BatchMetadata, PrefillSegment
 from services.runtime.batch_scheduler import ScheduledChunk
 from services.runtime.kv_cache import PagedKVCache
+from services.runtime.lora import LoraBatch, LoraManager
 from services.runtime.model import CausalLM
 
 
@@ -20,14 +21,21 @@ def order_for_batch(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, loras: LoraManager | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.loras = loras
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """`chunks` must already be in `order_for_batch` order; returns logits of the completing chunks."""
         input_ids, meta = self._prepare(chunks)
-        return self.model.forward(input_ids, meta, self.cache)
+        return self.model.forward(input_ids, meta, self.cache, self._lora_batch(chunks))
+
+    def _lora_batch(self, chunks: list[ScheduledChunk]) -> LoraBatch | None:
+        """Each chunk's rows under its sequence's adapter (the rows' order is the chunks')."""
+        if self.loras is None:
+            return None
+        return self.loras.batch([(c.seq.lora, c.num_new_tokens) for c in chunks])
 
     def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
         """Logits `[len(token_ids), vocab]` at every position of one prompt computed from scratch into

@@ -50,6 +50,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     salt: str = ""
+    lora: str = ""  # the LoRA adapter's served name; "" for the base model alone
     stop_after_prefill: bool = False
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[SampledToken] = field(default_factory=list)
