@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
+import tandem
+from tandem.errors import InvalidRequest
 
 from services.common.tokenizer import TextCodec
-from tests.e2e.api import MODEL
+from tests.e2e.api import API_KEY, MODEL
 
 SCHEMA = {
     "type": "object",
@@ -82,3 +85,14 @@ def test_logit_bias_minus_100_bans_the_greedy_token(client, codec):
                                        logit_bias={str(banned): -100})
     assert biased.choices[0].text != plain.choices[0].text
     assert first not in biased.choices[0].logprobs.tokens
+
+
+def test_the_sdk_over_grpc_follows_a_choice_and_refuses_a_bad_regex(mesh):
+    with tandem.Client(mesh.endpoint("gateway").address, api_key=API_KEY) as sdk:
+        for seed in range(3):
+            done = sdk.complete("Is the sky blue?", max_tokens=8, temperature=1.0, seed=seed, choice=CHOICES)
+            assert done.text in CHOICES and done.finish_reason == "stop"
+        with pytest.raises(InvalidRequest) as caught:
+            sdk.complete("x", max_tokens=4, regex="a[b")
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.field == "structured"
+    assert caught.value.message.startswith("structured: regex does not compile:")
