@@ -2,8 +2,9 @@
 
 For xgrammar, llguidance and outlines-core: the time to compile a JSON schema, and the cost of one
 decode step's token masks at batch 1 and 32 (every row's mask computed, then the row advanced by a
-token of a valid answer). Run: `python scripts/bench_grammar.py [--model-dir DIR]`. It prints one
-line per engine; the README's table comes from it.
+token of a valid answer). Only llguidance is a dependency: `pip install xgrammar==0.2.8
+outlines-core==0.2.14` first, then `python scripts/bench_grammar.py [--model-dir DIR]`. It prints
+one line per engine; the README's table comes from it.
 """
 
 from __future__ import annotations
