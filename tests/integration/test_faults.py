@@ -1,8 +1,11 @@
 """Faults on a real mesh. Frozen workers (SIGSTOP): no request hangs. A request sent while a decode
-worker is frozen, or whose prefill or decode worker freezes under it, gets an answer (its tokens,
-or a status) within the heartbeat TTL plus 2 s, and once the worker is thawed (SIGCONT) the mesh
-serves the next request with exactly the tokens it gave before the freeze, and leaves nothing
-behind. Full decode memory: requests wait in the queue for room, none is refused.
+worker is frozen, or whose prefill or decode worker freezes under it (before, during its prefill,
+with its KV on the way to a frozen decode worker, or mid-stream), gets an answer (its tokens, or a
+status) within the heartbeat TTL plus 2 s, and once the worker is thawed (SIGCONT) the mesh serves
+the next request with exactly the tokens it gave before the freeze, and leaves nothing behind.
+Full decode memory: requests wait in the queue for room, none is refused. Last, the scheduler is
+killed (SIGKILL) under load: every request in flight ends with UNAVAILABLE or its whole reference,
+`tandem up` restarts it, the workers register again and new requests are token-exact.
 
 One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 2 s heartbeat TTL,
 migration off (TANDEM_MIGRATION=0), so a worker lost under a started request fails it with
@@ -11,6 +14,7 @@ UNAVAILABLE (tests/integration/test_migration.py moves it instead).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -35,6 +39,11 @@ ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "40MiB", "TANDEM_THREADS"
        "TANDEM_HEARTBEAT_TTL": str(TTL_S), "TANDEM_MIGRATION": "0"}
 MAX_TOKENS = 6
 BLOCK = 16
+# 51 of a decode worker's 56 blocks, about 37 MiB of KV: more than loopback buffers hold (a push to a
+# frozen decode worker stalls mid-transfer), and a prefill long enough on 2 cores to freeze a worker
+# during it; one prompt per test, so no prefix-cache hit shortens the second one's prefill.
+LONG_PROMPTS = {"decode": prompt_of(800, 5), "prefill": prompt_of(800, 6)}
+SCHEDULER_LOSS_ANSWER_S = 30.0  # the bound on an in-flight request's end once the scheduler is killed
 
 
 PROMPT = prompt_of(24, 0)
@@ -173,6 +182,26 @@ def test_a_request_whose_decode_worker_freezes_mid_stream_is_unavailable(mesh, r
     serves_again(mesh, reference, "after-mid-stream-freeze")
 
 
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_request_whose_worker_freezes_during_its_prefill_and_kv_transfer_is_unavailable(mesh, pool, reference,
+                                                                                         role):
+    """The decode worker holds the request's reserved blocks: freeze it (the prefill worker's push then
+    stalls on it mid-transfer) or the prefill worker (mid-prefill, before its push)."""
+    decode = worker(mesh, first_ranked_decode(mesh))
+    (prefill,) = workers(mesh, common_pb2.WORKER_ROLE_PREFILL)
+    request_id = f"kv-stage-{role}-freeze"
+    request = greedy_request(LONG_PROMPTS[role], MAX_TOKENS, request_id=request_id)
+    request.sampling.ignore_eos = True
+    outcome = send(mesh, pool, request)
+    wait_until(lambda: mesh.worker_stats(decode.name).reserved_blocks > 0 or outcome.done(),
+               "the decode worker to reserve the request's blocks")
+    assert not outcome.done(), f"the request ended before its KV transfer: {outcome.result()}"
+    with frozen(decode if role == "decode" else prefill) as since:
+        ended = answer(outcome, since)
+    assert_unavailable(ended, request_id)
+    serves_again(mesh, reference, f"after-kv-stage-{role}-freeze")
+
+
 def long_request(prompt: list[int], request_id: str) -> gateway_pb2.GenerateRequest:
     request = greedy_request(prompt, 16, request_id=request_id)
     request.sampling.ignore_eos = True
@@ -201,3 +230,55 @@ def test_requests_beyond_the_decode_memory_wait_for_room_and_none_is_refused(mes
     assert outcomes == [references[i % 3] for i in range(21)]
     assert mesh.scheduler_stats().rejected == rejected
     mesh.wait_idle(DEADLINE_S)
+
+
+def test_a_scheduler_killed_under_load_ends_every_request_restarts_and_serves_token_exact(mesh, pool, reference):
+    """Runs last: the restarted scheduler forgets the routes and counters the tests above read."""
+    scheduler = mesh.endpoint("scheduler")
+    prompts = [prompt_of(30, seed) for seed in (21, 22, 23, 24)]
+
+    def request(n: int, request_id: str) -> gateway_pb2.GenerateRequest:
+        longer = greedy_request(prompts[n], 48, request_id=request_id)
+        longer.sampling.ignore_eos = True
+        return longer
+
+    references = [collect(mesh.gateway().Generate(request(n, f"sched-ref-{n}"), metadata=AUTH,
+                                                  timeout=CLIENT_TIMEOUT_S))[0] for n in range(len(prompts))]
+    calls = [mesh.gateway().Generate(request(n, f"sched-load-{n}"), metadata=AUTH, timeout=CLIENT_TIMEOUT_S)
+             for n in range(len(prompts))]
+    firsts = [list(next(call).token_ids) for call in calls]  # all four are generating
+
+    def rest(call) -> list[int] | grpc.RpcError:
+        try:
+            return collect(call)[0]
+        except grpc.RpcError as error:
+            return error
+
+    since = len(mesh.log)
+    os.kill(scheduler.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    outcomes = [pool.submit(rest, call) for call in calls]
+    for n, (first, outcome) in enumerate(zip(firsts, outcomes)):
+        ended = outcome.result(timeout=max(0.0, killed_at + SCHEDULER_LOSS_ANSWER_S - time.monotonic()))
+        if isinstance(ended, grpc.RpcError):
+            assert ended.code() == grpc.StatusCode.UNAVAILABLE and ended.details(), ended
+        else:
+            assert first + ended == references[n], f"request {n} finished with other tokens than its reference"
+    restarted = wait_until(lambda: next((line for line in mesh.log[since:]
+                                         if line.startswith("tandem up: scheduler is ready again")), None),
+                           "tandem up to restart the scheduler", timeout=CLIENT_TIMEOUT_S)
+    scheduler.pid = int(restarted.rsplit("pid ", 1)[1].rstrip(")\n"))
+    tries = itertools.count()
+
+    def served() -> list[int] | None:
+        """A new request's tokens; None while the workers find the new scheduler (a clear UNAVAILABLE)."""
+        try:
+            return collect(mesh.gateway().Generate(request(0, f"sched-after-{next(tries)}"), metadata=AUTH,
+                                                   timeout=CLIENT_TIMEOUT_S))[0]
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details(), error
+            return None
+
+    assert wait_until(served, "a new request to be served after the restart", timeout=CLIENT_TIMEOUT_S,
+                      poll=0.2) == references[0]
+    serves_again(mesh, reference, "after-scheduler-kill")
