@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from services.common.tokenizer import TextCodec
 from tests.e2e.api import MODEL
 
 WEATHER = {"type": "function", "function": {
@@ -58,7 +59,7 @@ def test_required_calls_stream_as_deltas_that_parse(client):
     _check_calls(deltas, {"get_weather", "get_time"})
 
 
-def test_a_conversation_with_a_tool_result_goes_on(client):
+def test_a_conversation_with_a_tool_result_goes_on(client, default_model_dir):
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "It is sunny, 21 degrees."}]
@@ -66,7 +67,11 @@ def test_a_conversation_with_a_tool_result_goes_on(client):
                                               temperature=0, max_tokens=8)
     (choice,) = response.choices
     assert choice.message.tool_calls is None and choice.message.content
-    assert response.usage.prompt_tokens > 100  # the tools' description is not shown with "none"; the history is
+    # The tools are not shown with "none"; the call and its result are, in the fallback's form.
+    codec = TextCodec.from_model_dir(default_model_dir)
+    assert response.usage.prompt_tokens == len(codec.apply_chat_template(history))
+    assert "<tool_response>\nIt is sunny, 21 degrees.\n</tool_response>" in codec.decode(
+        codec.apply_chat_template(history), skip_special_tokens=False)
 
 
 def test_a_list_of_prompts_with_echo(client):
