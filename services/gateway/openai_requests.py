@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common.errors import InvalidRequest
 from services.common.sampling_params import SamplingParams
