@@ -37,9 +37,8 @@ DRAIN_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """What the simulation adds to a worker's flags: how many, which role, and the engine's pace."""
+    """What the simulation adds to a worker's flags: how many, and the engine's size and pace."""
 
-    role: str
     count: int
     kv_blocks: int
     max_seqs: int
@@ -90,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     spec = _spec(args.role)
     try:
         base = main_common.worker_config(args, spec)
-        sim = SimConfig(args.role, args.count, args.kv_blocks, args.max_seqs,
+        sim = SimConfig(args.count, args.kv_blocks, args.max_seqs,
                         SimTiming(args.step_ms, args.prefill_tokens_per_s))
         if base.advertise and sim.count > 1:
             raise ValueError(f"--advertise names one address; {sim.count} workers need one each: "
