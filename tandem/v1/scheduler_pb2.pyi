@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "sampling", "cache_salt", "deadline_unix_ms", "trace_id", "delivered_token_ids", "migration")
+    __slots__ = ("request_id", "model", "token_ids", "sampling", "cache_salt", "deadline_unix_ms", "trace_id", "delivered_token_ids", "migration", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class SubmitRequest(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class SubmitRequest(_message.Message):
     trace_id: str
     delivered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     migration: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., trace_id: _Optional[str] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., migration: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., trace_id: _Optional[str] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., migration: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class SubmitEvent(_message.Message):
     __slots__ = ("placement", "lost")
