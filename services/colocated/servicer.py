@@ -35,5 +35,5 @@ class ColocatedServicer(WorkerServicerBase, worker_pb2_grpc.ColocatedServiceServ
 def _add(engine, rid: str, ids: list[int], params, request: worker_pb2.RunRequest) -> int:
     """Queues the request; returns how many requests wait ahead of it."""
     ahead = len(engine.scheduler.waiting)
-    engine.add_request(rid, ids, params, request.cache_salt, seed=request.seed)
+    engine.add_request(rid, ids, params, request.cache_salt, seed=request.seed, lora=request.lora)
     return ahead

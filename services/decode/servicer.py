@@ -214,7 +214,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         try:
             await self.runtime.loop.call(lambda engine: self.runtime.handoff.admit(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
-                header.cache_salt))
+                header.cache_salt, header.lora))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here
             self.runtime.forget(rid)
             self.runtime.spans.end(rid, "abort")

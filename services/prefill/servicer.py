@@ -90,7 +90,8 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         try:
             try:
                 await runtime.loop.call(lambda engine: engine.add_request(
-                    rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed))
+                    rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed,
+                    lora=request.lora))
             except ValueError as exc:
                 raise engine_rejection(exc) from exc
             output = await runtime.first_output(rid)
@@ -179,6 +180,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             sampling=request.sampling,
             seed=request.seed,
             cache_salt=request.cache_salt,
+            lora=request.lora,
             num_chunks=num_chunks,
             cached_tokens=output.num_cached_tokens,
             timings=job.tracked.timings,

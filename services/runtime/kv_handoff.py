@@ -112,7 +112,7 @@ class KvHandoff:
         return True
 
     def admit(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-              params: SamplingParams, seed: int, salt: str = "") -> None:
+              params: SamplingParams, seed: int, salt: str = "", lora: str = "") -> None:
         """Starts decoding a request whose KV (all tokens but the last) was imported, from the next
         step on. Engine thread; KeyError when its reservation is gone (cancelled meanwhile)."""
         with self._lock:
@@ -120,7 +120,7 @@ class KvHandoff:
             if reservation is None or reservation.cancelled:
                 raise KeyError(f"request {request_id!r} has no reserved blocks; reserve before admitting")
             del self._reservations[request_id]
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt=salt,
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt=salt, lora=lora,
                        token_ids=list(prompt_token_ids) + list(output_token_ids))
         seq.block_table = reservation.block_ids
         seq.num_computed_tokens = seq.num_tokens - 1

@@ -22,9 +22,8 @@ import torch
 from safetensors import safe_open
 
 from services.common.model_config import ModelConfig
-from services.common.paths import tandem_home
+from services.common.lora_catalogue import ADAPTER_CONFIG
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FUSED_TARGETS = {  # the model's fused projection -> its PEFT target modules, in output order
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -165,18 +164,6 @@ class LoraManager:
             adapters = [self._loaded[n] for n in names]
             self._stacked = (names, [_stack_layer(adapters, i) for i in range(self._config.num_layers)])
         return self._stacked[1]
-
-
-def lora_sources(named: list[str], home: Path | None = None) -> dict[str, Path]:
-    """Adapters by served name: every directory under $TANDEM_HOME/loras, then each NAME=DIR flag."""
-    root = (home or tandem_home()) / "loras"
-    sources = {d.name: d for d in sorted(root.iterdir()) if (d / ADAPTER_CONFIG).is_file()} if root.is_dir() else {}
-    for item in named:
-        name, sep, directory = item.partition("=")
-        if not sep or not name or not directory or ":" in name:
-            raise LoraError(f"--lora takes NAME=DIR with a NAME without ':', got {item!r}")
-        sources[name] = Path(directory).expanduser()
-    return sources
 
 
 def _read_config(name: str, root: Path) -> dict:

@@ -114,7 +114,7 @@ class Launcher:
         assert worker is not None
         request = worker_pb2.RunRequest(request_id=placement.attempt_id, token_ids=placement.request.token_ids,
                                         sampling=_sampling(state), seed=state.seed,
-                                        cache_salt=placement.request.cache_salt)
+                                        cache_salt=placement.request.cache_salt, lora=placement.request.lora)
         await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
 
     def release(self, state: RequestState) -> None:
@@ -145,7 +145,7 @@ class Launcher:
         request = worker_pb2.PrefillRequest(
             request_id=placement.attempt_id, token_ids=placement.request.token_ids, sampling=_sampling(state),
             seed=state.seed, cache_salt=placement.request.cache_salt, decode_address=decode.info.address,
-            decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids)
+            decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids, lora=placement.request.lora)
         try:
             timeout = state.deadline.timeout(PREFILL_TIMEOUT_S)
             response = await self.clients.prefill(prefill.info.address).Prefill(

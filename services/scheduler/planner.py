@@ -124,7 +124,7 @@ async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.Submi
     """Leading blocks of the prompt each worker caches, hashing the prompt once per block size."""
     matched: dict[str, int] = {}
     for block_size in sorted({w.info.block_size for w in workers}):
-        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt)
+        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora)
         found = await registry.match_prefix(chain)
         matched.update({w.info.worker_id: found.get(w.info.worker_id, 0)
                         for w in workers if w.info.block_size == block_size})

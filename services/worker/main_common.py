@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import torch
 
 from services.common import internal_auth
-from services.common.config import add_option, from_args, parse_address, parse_size
+from services.common.config import add_option, from_args, parse_address, parse_list, parse_size
+from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
 from services.common.model_config import ModelConfig
@@ -67,6 +68,8 @@ class WorkerConfig:
     attention: str = "auto"
     dtype: str | None = None  # None: float32 on a CPU, bfloat16 on CUDA; auto: services/runtime/precision.py
     quantization: str = "none"
+    lora: tuple[str, ...] = ()  # NAME=DIR adapters, beside those under $TANDEM_HOME/loras
+    max_loras: int = 4
     worker_id: str | None = None
     internal_token: str | None = None  # None and no internal_tls: open, only under --insecure-internal
     internal_tls: MutualTLS | None = None
@@ -84,6 +87,7 @@ class WorkerConfig:
             precision=precision,
             attention_backend=self.attention,
             num_threads=self.num_threads,
+            max_loras=self.max_loras,
         )
 
     def precision(self, model_dir: Path) -> Choice:
@@ -145,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
                     "CUDA, on a CPU what a start-up probe finds fastest (cached under $TANDEM_HOME/probes)")
     add_option(parser, "--quantization", default="none", choices=QUANTIZATION_CHOICES,
                help="weight-only int8/int4 weights (CPU kernels); auto: as the probe finds fastest")
+    add_option(parser, "--lora", type=parse_list, default=(), metavar="NAME=DIR,...",
+               help="LoRA adapters (PEFT layout) requests may name as model BASE:NAME, beside every "
+                    "adapter directory under $TANDEM_HOME/loras")
+    add_option(parser, "--max-loras", type=int, default=4, help="LoRA adapters loaded at once (least recently "
+               "used idle one leaves first)")
     add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
     internal_auth.add_arguments(parser)
 
@@ -158,7 +167,7 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
                         format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
     try:
         config = worker_config(args, spec)
-    except internal_auth.InternalAuthError as exc:
+    except (internal_auth.InternalAuthError, LoraCatalogueError) as exc:
         print(f"tandem {spec.name}: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(run_worker(config, spec))
@@ -167,6 +176,7 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
 def worker_config(args: argparse.Namespace, spec: RoleSpec) -> WorkerConfig:
     """The worker's settings from its flags; InternalAuthError when the internal-auth flags are wrong."""
     auth = internal_auth.auth_from_args(args, spec.name)
+    lora_sources(args.lora)  # a malformed --lora fails here, before the model loads
     return from_args(WorkerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
 
 
@@ -253,7 +263,7 @@ async def load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
 def _build_engine(model_dir: Path, config: WorkerConfig) -> Engine:
     choice = config.precision(model_dir)
     log.info("precision %s", choice.line())
-    return Engine.from_model_dir(model_dir, config.engine_config(choice.precision))
+    return Engine.from_model_dir(model_dir, config.engine_config(choice.precision), lora_sources(config.lora))
 
 
 async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],

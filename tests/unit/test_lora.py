@@ -13,7 +13,8 @@ import torch
 from services.common.block_hash import hash_chain
 from services.runtime.attention import TorchAttention
 from services.runtime.engine import Engine, EngineConfig
-from services.runtime.lora import LoraError, LoraManager, lora_sources
+from services.common.lora_catalogue import LoraCatalogueError, lora_sources, split_model
+from services.runtime.lora import LoraError, LoraManager
 from services.runtime.model import CausalLM
 from services.runtime.sampler import SamplingParams
 from tests.unit.test_model_tiny import PROMPT, make_tiny
@@ -173,5 +174,7 @@ def test_lora_sources_from_home_and_flags(tmp_path):
     (tmp_path / "loras" / "empty").mkdir()
     assert lora_sources(["beta=/x/beta"], home=tmp_path) == {"alpha": tmp_path / "loras" / "alpha",
                                                             "beta": Path("/x/beta")}
-    with pytest.raises(LoraError, match="--lora takes NAME=DIR"):
+    with pytest.raises(LoraCatalogueError, match="--lora takes NAME=DIR"):
         lora_sources(["a:b=/x"], home=tmp_path)
+    assert split_model("SmolLM2-135M-Instruct:my-adapter") == ("SmolLM2-135M-Instruct", "my-adapter")
+    assert split_model("SmolLM2-135M-Instruct") == ("SmolLM2-135M-Instruct", "")
