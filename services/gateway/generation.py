@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from services.common.errors import DeadlineExceeded, TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
+from services.common.lora_catalogue import split_model
 from services.common.metrics import ServiceMetrics
 from services.common.spans import gateway_span_name
 from services.common.tokenizer import TextCodec
@@ -278,6 +279,7 @@ class GenerationPipeline:
             token_ids=prompt_token_ids,
             sampling=sampling_to_proto(request.sampling),
             cache_salt=request.cache_salt,
+            lora=split_model(request.model)[1],
             deadline_unix_ms=int((time.time() + timeout) * 1000),
             trace_id=trace_id,
         )

@@ -91,14 +91,14 @@ class HttpBridge:
 
     async def models(self, request: Request) -> Response:
         self._authenticate(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.pipeline.model.served_names]})
 
     async def model(self, request: Request, model_id: str) -> Response:
         self._authenticate(request)
-        if model_id != self.pipeline.model.name:
+        if model_id not in self.pipeline.model.served_names:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
                            f"{self.pipeline.model.name!r} (GET /v1/models)", "model", "model_not_found")
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(model_id))
 
     async def tokenize(self, request: Request) -> Response:
         self._authenticate(request)
@@ -173,10 +173,12 @@ class HttpBridge:
             return request.prompt
         return self.pipeline.codec.decode(request.token_ids or [], skip_special_tokens=False)
 
-    def _model_card(self) -> dict[str, object]:
+    def _model_card(self, served_name: str) -> dict[str, object]:
+        """The card of the model or of one of its adapters (whose parent is the model)."""
         model = self.pipeline.model
-        return {"id": model.name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
+        card = {"id": served_name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
                 "root": model.name, "max_model_len": model.max_model_len}
+        return card if served_name == model.name else {**card, "parent": model.name}
 
     def _authenticate(self, request: Request) -> str | None:
         """The caller's API key (None when the gateway has none configured); 401 otherwise."""

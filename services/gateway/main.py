@@ -19,6 +19,7 @@ from services.common.config import add_option, from_args, parse_addresses, parse
 from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
 from services.common.model_config import ModelLoadError
+from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.model_store import default_model_dir
 from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, add_server_arguments, server_certificate
 from services.common.tokenizer import TextCodec
@@ -45,6 +46,7 @@ class GatewayConfig:
     scheduler: tuple[str, ...]  # HOST:PORT of each scheduler; requests go to them in turn
     model: Path
     api_keys: tuple[str, ...]
+    lora: tuple[str, ...]  # --lora NAME=DIR,...: adapters served as model BASE:NAME (with $TANDEM_HOME/loras)
     internal_token: str | None  # sent to the scheduler; None only under --insecure-internal or with internal_tls
     internal_tls: MutualTLS | None  # mutual TLS with the scheduler
     tls: ServerCertificate | None  # the public doors' certificate (gRPC and HTTP); None: plaintext
@@ -61,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="the schedulers' HOST:PORT, comma-separated: requests go to them in turn, and to the next "
                     "while one cannot be reached")
     add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
+    add_option(parser, "--lora", type=parse_list, default=(), metavar="NAME=DIR,...",
+               help="LoRA adapters the workers serve (as they take --lora), listed and accepted as model BASE:NAME")
     add_option(parser, "--api-keys", type=parse_list, default=(),
                help="comma-separated client API keys; none turns authentication off")
     add_server_arguments(parser)
@@ -76,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         auth = internal_auth.auth_from_args(args, "gateway")
         tls = server_certificate(args.tls_cert, args.tls_key)
-    except (internal_auth.InternalAuthError, TLSConfigError) as exc:
+        lora_sources(args.lora)  # a malformed --lora fails here
+    except (internal_auth.InternalAuthError, TLSConfigError, LoraCatalogueError) as exc:
         print(f"tandem gateway: {exc}", file=sys.stderr)
         return 2
     config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
@@ -97,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
 async def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully."""
     codec = await asyncio.to_thread(TextCodec.from_model_dir, config.model)
-    model = ServedModel.from_model_dir(config.model, codec)
+    model = ServedModel.from_model_dir(config.model, codec, tuple(lora_sources(config.lora)))
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
     open_channel = functools.partial(internal_channel, tls=config.internal_tls)

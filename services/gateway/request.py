@@ -57,9 +57,15 @@ class ServedModel:
     vocab_size: int  # valid token ids: [0, vocab_size)
     has_chat_template: bool
     created: int  # when the gateway loaded it, Unix seconds
+    loras: tuple[str, ...] = ()  # LoRA adapters served on it, requested as model "NAME:ADAPTER"
+
+    @property
+    def served_names(self) -> list[str]:
+        """The model's name, then each adapter's as requests name it."""
+        return [self.name, *(f"{self.name}:{lora}" for lora in self.loras)]
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, codec: TextCodec) -> ServedModel:
+    def from_model_dir(cls, model_dir: str | Path, codec: TextCodec, loras: tuple[str, ...] = ()) -> ServedModel:
         """The limits the workers apply too: context and vocabulary from config.json (ModelLoadError
         when it is missing or unsupported)."""
         config = ModelConfig.from_model_dir(model_dir)
@@ -69,6 +75,7 @@ class ServedModel:
             vocab_size=config.vocab_size,
             has_chat_template=codec.has_chat_template,
             created=int(time.time()),
+            loras=loras,
         )
 
 

@@ -98,7 +98,8 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
-        return gateway_pb2.ListModelsResponse(models=[model_card(self._pipeline.model)])
+        model = self._pipeline.model
+        return gateway_pb2.ListModelsResponse(models=[model_card(model, name) for name in model.served_names])
 
 
 async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -111,7 +112,8 @@ async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.Genera
         yield response
 
 
-def model_card(model: ServedModel) -> gateway_pb2.ModelCard:
-    return gateway_pb2.ModelCard(id=model.name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+def model_card(model: ServedModel, served_name: str) -> gateway_pb2.ModelCard:
+    """The card of the model or of one of its adapters (`served_name` BASE:NAME)."""
+    return gateway_pb2.ModelCard(id=served_name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
                                  has_chat_template=model.has_chat_template, created=model.created,
                                  owned_by=OWNED_BY)

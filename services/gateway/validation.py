@@ -59,9 +59,10 @@ def request_id_or_new(candidate: str) -> str:
 
 
 def check_model(name: str, model: ServedModel) -> None:
-    """An empty name means the served model; any other name must be it."""
-    if name and name != model.name:
-        raise NotFound(f"model {name!r} not found; this gateway serves {model.name!r}")
+    """An empty name means the served model; any other name must be it or one of its adapters'."""
+    if name and name not in model.served_names:
+        served = ", ".join(repr(n) for n in model.served_names)
+        raise NotFound(f"model {name!r} not found; this gateway serves {served}")
 
 
 def check_prompt_length(field: str, num_prompt_tokens: int, max_tokens: int, model: ServedModel) -> None:
