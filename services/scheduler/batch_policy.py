@@ -1,0 +1,71 @@
+"""A worker's batching policy from its step-cost model and the scheduler's TTFT and ITL targets.
+
+The model (services/runtime/step_cost.py) says what a step of `n` tokens, each reading about
+`context` KV entries, costs. The running decodes go first in every step and each prompt chunk
+only takes what is left of the token budget (services/runtime/batch_scheduler.py), so a budget
+whose full step fits the ITL target keeps every colocated decode step under it, however long
+the prompt being prefilled:
+
+    token budget  B = floor((itl - fixed) / (per_token + per_context * context))   (at least 1)
+    max sequences   = min(B, cap)        a step of decodes alone fits too
+    chunk size      = B rounded down to whole blocks (a chunk ends on a block edge), at least one block
+    window          = min(fixed, TTFT slack of a typical prompt)
+
+Waiting to form a prefill batch saves at most one step's fixed cost, so the window never exceeds
+it, and it never spends more than the slack the typical prompt's prefill leaves under the TTFT target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.runtime.step_cost import StepCost
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceTargets:
+    ttft_ms: float
+    itl_ms: float
+    context_tokens: int
+    typical_prompt_tokens: int
+    max_seqs_cap: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms", "context_tokens", "typical_prompt_tokens", "max_seqs_cap", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicyNumbers:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunk_size: int
+    batch_window_ms: int
+
+
+def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
+    budget = token_budget(cost, targets.itl_ms, targets.context_tokens)
+    chunk = max(targets.block_size, budget // targets.block_size * targets.block_size)
+    slack = targets.ttft_ms - prefill_ms(cost, targets.typical_prompt_tokens, chunk)
+    window = max(0.0, min(cost.fixed_ms, slack))
+    return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget, targets.max_seqs_cap),
+                              chunk_size=chunk, batch_window_ms=math.floor(window))
+
+
+def token_budget(cost: StepCost, itl_ms: float, context_tokens: int) -> int:
+    """The most tokens one step may compute and still end within `itl_ms` (at least 1: a worker
+    whose fixed cost alone exceeds the target still has to make progress)."""
+    per_token = cost.per_token_ms + cost.per_context_token_ms * context_tokens
+    if per_token <= 0:
+        raise ValueError(f"a step cost with no per-token term cannot size a budget: {cost}")
+    return max(1, math.floor((itl_ms - cost.fixed_ms) / per_token))
+
+
+def prefill_ms(cost: StepCost, prompt_tokens: int, chunk_size: int) -> float:
+    """Time to prefill a prompt alone in chunks of `chunk_size`: token i reads i + 1 KV entries."""
+    steps = math.ceil(prompt_tokens / chunk_size)
+    context = prompt_tokens * (prompt_tokens + 1) / 2
+    return steps * cost.fixed_ms + cost.per_token_ms * prompt_tokens + cost.per_context_token_ms * context

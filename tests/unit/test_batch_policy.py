@@ -1,0 +1,41 @@
+"""Batching policy numbers from a given step-cost model and SLOs."""
+
+import pytest
+
+from services.runtime.step_cost import StepCost
+from services.scheduler.batch_policy import BatchPolicyNumbers, ServiceTargets, policy_for, prefill_ms
+
+COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001)
+
+
+def targets(ttft_ms: float, itl_ms: float) -> ServiceTargets:
+    return ServiceTargets(ttft_ms=ttft_ms, itl_ms=itl_ms, context_tokens=1024, typical_prompt_tokens=512,
+                          max_seqs_cap=256, block_size=16)
+
+
+def test_policy_numbers_from_cost_and_slos() -> None:
+    # budget floor(40 / (0.05 + 0.1024)) = 262; chunk 256 (16 whole blocks); window = fixed cost 10 ms
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=50)) == BatchPolicyNumbers(
+        max_num_batched_tokens=262, max_num_seqs=256, chunk_size=256, batch_window_ms=10)
+
+
+def test_window_is_the_ttft_slack_when_smaller_than_a_step() -> None:
+    assert prefill_ms(COST, 512, 256) == pytest.approx(20 + 25.6 + 13.1328)
+    assert policy_for(COST, targets(ttft_ms=65, itl_ms=50)).batch_window_ms == 6
+    assert policy_for(COST, targets(ttft_ms=50, itl_ms=50)).batch_window_ms == 0
+
+
+def test_full_budget_step_meets_the_itl_target() -> None:
+    policy = policy_for(COST, targets(ttft_ms=1000, itl_ms=50))
+    assert COST.step_ms(policy.max_num_batched_tokens, policy.max_num_batched_tokens * 1024) <= 50
+    assert COST.step_ms(policy.max_num_batched_tokens + 1, (policy.max_num_batched_tokens + 1) * 1024) > 50
+
+
+def test_itl_below_the_fixed_cost_still_makes_progress() -> None:
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=5)) == BatchPolicyNumbers(
+        max_num_batched_tokens=1, max_num_seqs=1, chunk_size=16, batch_window_ms=10)
+
+
+def test_nonpositive_target_is_refused() -> None:
+    with pytest.raises(ValueError, match="itl_ms must be > 0, got 0"):
+        targets(ttft_ms=1000, itl_ms=0)

@@ -1,0 +1,43 @@
+"""The step-cost model's least-squares fit over recent steps."""
+
+import pytest
+
+from services.runtime.step_cost import StepCost, StepCostFit
+
+
+def test_fit_recovers_exact_coefficients() -> None:
+    truth = StepCost(fixed_ms=12.0, per_token_ms=0.25, per_context_token_ms=0.002)
+    fit = StepCostFit(window=64, min_samples=16)
+    for i in range(20):
+        new, context = 1 + 7 * i, 100 + 313 * (i % 5)
+        fit.record(new, context, truth.step_ms(new, context))
+    cost = fit.fit()
+    assert cost is not None
+    assert cost.fixed_ms == pytest.approx(12.0)
+    assert cost.per_token_ms == pytest.approx(0.25)
+    assert cost.per_context_token_ms == pytest.approx(0.002)
+
+
+def test_no_fit_until_enough_varied_steps() -> None:
+    fit = StepCostFit(window=64, min_samples=16)
+    for _ in range(15):
+        fit.record(4, 400, 10.0)
+    assert fit.fit() is None
+    fit.record(4, 400, 10.0)
+    assert fit.fit() is None  # 16 steps, all alike: the terms cannot be told apart
+
+
+def test_negative_term_is_dropped_and_the_rest_refitted() -> None:
+    fit = StepCostFit(window=64, min_samples=16)
+    for i in range(20):
+        new, context = 1 + i, 50 + 37 * (i % 3)
+        fit.record(new, context, 5.0 + 0.5 * new - 0.001 * context)
+    cost = fit.fit()
+    assert cost is not None
+    assert cost.per_context_token_ms == 0.0
+    assert cost.fixed_ms >= 0 and cost.per_token_ms > 0
+
+
+def test_window_smaller_than_min_samples_is_refused() -> None:
+    with pytest.raises(ValueError, match="window >= min_samples >= 3"):
+        StepCostFit(window=4, min_samples=8)
