@@ -196,20 +196,32 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("free_blocks", "cached_blocks", "running", "waiting", "queued_prefill_tokens", "reserved_blocks")
+    __slots__ = ("free_blocks", "cached_blocks", "running", "waiting", "queued_prefill_tokens", "reserved_blocks", "step_cost")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     cached_blocks: int
     running: int
     waiting: int
     queued_prefill_tokens: int
     reserved_blocks: int
-    def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
+    step_cost: StepCostModel
+    def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., step_cost: _Optional[_Union[StepCostModel, _Mapping]] = ...) -> None: ...
+
+class StepCostModel(_message.Message):
+    __slots__ = ("fixed_ms", "per_token_ms", "per_context_token_ms")
+    FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_CONTEXT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    fixed_ms: float
+    per_token_ms: float
+    per_context_token_ms: float
+    def __init__(self, fixed_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., per_context_token_ms: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -218,14 +230,16 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class BatchPolicy(_message.Message):
-    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "chunk_size")
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "batch_window_ms")
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
     max_num_batched_tokens: int
     max_num_seqs: int
     chunk_size: int
-    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    batch_window_ms: int
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunk_size: _Optional[int] = ..., batch_window_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("heartbeat_ttl_ms", "heartbeat_interval_ms", "policy", "scheduler_id")
@@ -248,10 +262,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "policy")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    policy: BatchPolicy
+    def __init__(self, known: _Optional[bool] = ..., policy: _Optional[_Union[BatchPolicy, _Mapping]] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)
