@@ -73,13 +73,14 @@ def import_kv(cache: PagedKVCache, block_ids: list[int], chunk: KvChunk) -> None
     expected_bytes = int(np.prod(expected)) * cache.k.element_size()
     if len(chunk.data) != expected_bytes:
         raise ValueError(f"KV chunk carries {len(chunk.data)} bytes; its header says {expected_bytes}")
-    both = torch.frombuffer(bytearray(chunk.data), dtype=DTYPES[chunk.dtype]).view(expected)
     ids = block_ids[chunk.first_block : chunk.first_block + chunk.num_blocks]
     k_cache, v_cache = cache.layer(chunk.layer)
-    if _numpy_view_ok(k_cache):
-        k_cache.numpy()[ids] = both[0].numpy()
-        v_cache.numpy()[ids] = both[1].numpy()
+    if _numpy_view_ok(k_cache):  # read straight from the received bytes: no copy of the chunk
+        both_array = np.frombuffer(chunk.data, dtype=k_cache.numpy().dtype).reshape(expected)
+        k_cache.numpy()[ids] = both_array[0]
+        v_cache.numpy()[ids] = both_array[1]
         return
+    both = torch.frombuffer(bytearray(chunk.data), dtype=DTYPES[chunk.dtype]).view(expected)
     index = torch.tensor(ids, device=k_cache.device)
     k_cache[index] = both[0].to(k_cache.device)
     v_cache[index] = both[1].to(k_cache.device)
