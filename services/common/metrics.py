@@ -94,6 +94,9 @@ class ServiceMetrics:
             TOKEN_BUCKETS)
         self.prompt_tokens = counter("tandem:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("tandem:generation_tokens_total", "Tokens generated.")
+        self._batch_policy = Gauge(
+            "tandem:batch_policy", "The batching policy the scheduler set, by field (0: the worker's own flag).",
+            (*LABELS, "field"), registry=self.registry)
         self._request_success = Counter(
             "tandem:request_success_total", "Finished requests by finish reason.",
             (*LABELS, "finished_reason"), registry=self.registry)
@@ -102,6 +105,10 @@ class ServiceMetrics:
         """The success counter for one finish reason ("stop", "length", "abort")."""
         return self._request_success.labels(model_name=self.model_name, worker=self.worker,
                                             finished_reason=finished_reason)
+
+    def batch_policy(self, field: str) -> Gauge:
+        """The gauge of one batching-policy field (max_num_batched_tokens, max_num_seqs, chunk_size, window_ms)."""
+        return self._batch_policy.labels(model_name=self.model_name, worker=self.worker, field=field)
 
     def count_request(self, finished_reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
         """One request that ended, finished or aborted ("abort": the client left or it failed first)."""

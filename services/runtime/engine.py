@@ -64,11 +64,13 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True)
 class IterationWork:
     """One request's share of an iteration: the tokens whose KV it computed, the tokens its first
-    chunk found in the prefix cache (0 on later chunks), and its preemptions so far."""
+    chunk found in the prefix cache (0 on later chunks), its preemptions so far, and the KV entries
+    its new tokens' attention read (token at position p reads p + 1: the step-cost model's input)."""
 
     num_new_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    num_context_tokens: int = 0
 
 
 class Engine:
@@ -297,4 +299,6 @@ def _work(chunk: ScheduledChunk) -> IterationWork:
     """A chunk as the iteration's record; only a prompt's first chunk starts at its cached tokens."""
     seq = chunk.seq
     first = seq.num_computed_tokens == seq.num_cached_tokens
-    return IterationWork(chunk.num_new_tokens, seq.num_cached_tokens if first else 0, seq.num_preemptions)
+    new, start = chunk.num_new_tokens, seq.num_computed_tokens
+    return IterationWork(new, seq.num_cached_tokens if first else 0, seq.num_preemptions,
+                         new * start + new * (new + 1) // 2)

@@ -46,6 +46,24 @@ class BatchPolicyNumbers:
     batch_window_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class SloPolicy:
+    """The scheduler's --slo-ttft-ms and --slo-itl-ms: every worker that reports a cost model gets
+    the policy that meets them. `context_tokens`: KV entries a decode token is taken to read (also
+    the typical prompt); `max_seqs_cap`: the scheduler's --max-running."""
+
+    ttft_ms: float
+    itl_ms: float
+    context_tokens: int
+    max_seqs_cap: int
+
+    def for_worker(self, cost: StepCost, block_size: int) -> BatchPolicyNumbers:
+        return policy_for(cost, ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms,
+                                               context_tokens=self.context_tokens,
+                                               typical_prompt_tokens=self.context_tokens,
+                                               max_seqs_cap=self.max_seqs_cap, block_size=block_size))
+
+
 def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
     budget = token_budget(cost, targets.itl_ms, targets.context_tokens)
     chunk = max(targets.block_size, budget // targets.block_size * targets.block_size)

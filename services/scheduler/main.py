@@ -17,6 +17,7 @@ from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics
 from services.common.store import Store, StoreUnavailable, open_store
 from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
+from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
@@ -56,8 +57,16 @@ class SchedulerConfig:
     batch_max_tokens: int = 0
     batch_max_seqs: int = 0
     batch_chunk_size: int = 0
+    slo_ttft_ms: float = 0.0
+    slo_itl_ms: float = 0.0
+    slo_context_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if (self.slo_ttft_ms > 0) != (self.slo_itl_ms > 0) or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
+            raise ValueError("--slo-ttft-ms and --slo-itl-ms go together, both > 0 (or both 0: no SLO policy), "
+                             f"got {self.slo_ttft_ms} and {self.slo_itl_ms}")
+        if self.slo_context_tokens < 1:
+            raise ValueError(f"--slo-context-tokens must be >= 1, got {self.slo_context_tokens}")
         for flag, value in (("--batch-max-tokens", self.batch_max_tokens), ("--batch-max-seqs", self.batch_max_seqs),
                             ("--batch-chunk-size", self.batch_chunk_size)):
             if value < 0:
@@ -96,7 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="most sequences in one worker iteration, for every worker (0: each keeps its own)")
     add_option(parser, "--batch-chunk-size", type=int, default=0,
                help="largest prompt chunk in one worker iteration, for every worker (0: each keeps its --chunk-size)")
+    add_option(parser, "--slo-ttft-ms", type=float, default=0.0,
+               help="time-to-first-token target; with --slo-itl-ms, each worker's batching policy is set from "
+                    "the step-cost model it reports so a step meets them (0: off)")
+    add_option(parser, "--slo-itl-ms", type=float, default=0.0,
+               help="inter-token latency target: the token budget of a step that must finish within it (0: off)")
+    add_option(parser, "--slo-context-tokens", type=int, default=1024,
+               help="KV entries a decode token is taken to read when sizing a step for --slo-itl-ms")
     internal_auth.add_arguments(parser)
+
+
+def slo_policy(config: SchedulerConfig) -> SloPolicy | None:
+    """The SLO policy, when both targets are set."""
+    if config.slo_itl_ms <= 0:
+        return None
+    return SloPolicy(ttft_ms=config.slo_ttft_ms, itl_ms=config.slo_itl_ms, context_tokens=config.slo_context_tokens,
+                     max_seqs_cap=config.max_running)
 
 
 def batch_policy(config: SchedulerConfig) -> scheduler_pb2.BatchPolicy:
@@ -133,7 +157,8 @@ async def serve(config: SchedulerConfig) -> None:
     server = create_server(config.host, config.port, internal_token=config.internal_token,
                            credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6), policy=batch_policy(config)))
+                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6), policy=batch_policy(config),
+                                        slo=slo_policy(config)))
     try:
         await server.start()
         dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))

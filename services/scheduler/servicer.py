@@ -10,7 +10,9 @@ from services.common.block_hash import BlockHash
 from services.common.errors import InvalidRequest
 from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
+from services.runtime.step_cost import StepCost
 from services.scheduler import migration
+from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -20,9 +22,12 @@ HEARTBEATS_PER_TTL = 3
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, dispatcher: Dispatcher, scheduler_id: str,
-                 policy: scheduler_pb2.BatchPolicy | None = None) -> None:
+                 policy: scheduler_pb2.BatchPolicy | None = None, slo: SloPolicy | None = None) -> None:
+        """`policy`: what every worker gets when it registers; `slo`: once a worker reports its step-cost
+        model, its heartbeat answers carry the policy that meets these targets instead."""
         self._dispatcher = dispatcher
         self._policy = policy or scheduler_pb2.BatchPolicy()
+        self._slo = slo
         self._registry = dispatcher.registry
         self._scheduler_id = scheduler_id
 
@@ -53,7 +58,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
-        return scheduler_pb2.HeartbeatResponse(known=known)
+        policy = self._slo_policy(request) if known else None
+        return scheduler_pb2.HeartbeatResponse(known=known, policy=policy)
+
+    def _slo_policy(self, request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.BatchPolicy | None:
+        if self._slo is None or not request.load.HasField("step_cost"):
+            return None
+        block_size = next((r.info.block_size for r in self._registry.snapshot()
+                           if r.info.worker_id == request.worker_id), 0)
+        if block_size <= 0:
+            return None
+        model = request.load.step_cost
+        numbers = self._slo.for_worker(StepCost(model.fixed_ms, model.per_token_ms, model.per_context_token_ms),
+                                       block_size)
+        return scheduler_pb2.BatchPolicy(max_num_batched_tokens=numbers.max_num_batched_tokens,
+                                         max_num_seqs=numbers.max_num_seqs, chunk_size=numbers.chunk_size,
+                                         batch_window_ms=numbers.batch_window_ms)
 
     async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
                                context) -> scheduler_pb2.DeregisterWorkerResponse:

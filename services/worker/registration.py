@@ -25,7 +25,8 @@ class Registration:
 
     `on_reregistered` runs after the scheduler forgot the worker (TTL lapse or scheduler restart)
     and took it back: the scheduler has failed the worker's requests by then, so the worker drops
-    them and resends its whole prefix-cache contents.
+    them and resends its whole prefix-cache contents. `on_policy` gets a batching policy a heartbeat
+    answer carries (the scheduler sets it from SLOs once the worker reports a cost model).
     """
 
     def __init__(
@@ -35,12 +36,14 @@ class Registration:
         load: Callable[[], scheduler_pb2.WorkerLoad],
         metadata: tuple[tuple[str, str], ...] = (),
         on_reregistered: Callable[[scheduler_pb2.RegisterWorkerResponse], Awaitable[None]] | None = None,
+        on_policy: Callable[[scheduler_pb2.BatchPolicy], Awaitable[None]] | None = None,
     ) -> None:
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         self.info = info
         self._load = load
         self._metadata = metadata
         self._on_reregistered = on_reregistered
+        self._on_policy = on_policy
         self._task: asyncio.Task | None = None
         self.interval_s = _DEFAULT_INTERVAL_S
         self.response: scheduler_pb2.RegisterWorkerResponse | None = None
@@ -120,6 +123,8 @@ class Registration:
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
         response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
         if response.known:
+            if response.HasField("policy") and self._on_policy is not None:
+                await self._on_policy(response.policy)
             return True
         log.warning("the scheduler no longer knows %s; registering again", self.worker_id)
         response = await self._register_once()

@@ -86,11 +86,13 @@ class RequestSpans:
     def __init__(self) -> None:
         self._open: dict[str, RequestSpan] = {}
         self._followed: dict[str, trace.Span] = {}
+        self.policy_attributes: dict[str, int] = {}  # the batching policy the scheduler set, on every span
 
     def start(self, name: str, request_id: str, parent: Context, *, prefilling: bool) -> None:
         """`parent`: the remote context of the call that brought the request (the scheduler's span)."""
         start_ns = time.time_ns()
-        span = tracer.start_span(name, context=parent, start_time=start_ns, attributes={Attr.REQUEST_ID: request_id})
+        attributes = {Attr.REQUEST_ID: request_id, **self.policy_attributes}
+        span = tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
         self._open[request_id] = RequestSpan(span, TokenTimings(start_ns=start_ns), prefilling)
 
     def follow(self, request_id: str, span: trace.Span) -> None:

@@ -22,6 +22,7 @@ from services.common.metrics import ServiceMetrics
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
+from services.runtime.step_cost import StepCost, StepCostFit
 from services.worker.block_reporter import BlockReporter
 from services.worker.engine_loop import EngineLoop, StepResult
 from services.worker.events import TokenBatcher, TrackedRequest
@@ -29,7 +30,7 @@ from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
 from services.worker.request_spans import RequestSpans
 from services.worker.request_waiters import RequestWaiters
-from services.worker.stats import update_metrics, worker_stats
+from services.worker.stats import policy_attributes, record_policy, update_metrics, worker_stats
 from services.worker.token_streams import RequestStreams
 from tandem.v1 import scheduler_pb2, worker_pb2
 
@@ -73,8 +74,10 @@ class WorkerRuntime:
         self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
         self.reporter = (TokenReporter(scheduler, identity.worker_id, metadata, on_lost=self._on_lost)
                          if scheduler is not None else None)
-        self.registration = (Registration(scheduler, self.info(), self.load, metadata, self._on_reregistered)
-                             if scheduler is not None else None)
+        self.registration = (Registration(scheduler, self.info(), self.load, metadata, self._on_reregistered,
+                                          self.apply_policy) if scheduler is not None else None)
+        self.step_cost = StepCostFit()
+        self.policy = scheduler_pb2.BatchPolicy()
         self.failed = asyncio.Event()
         self._started = time.monotonic()
         self._previous = EngineCounters()
@@ -183,6 +186,10 @@ class WorkerRuntime:
         self._previous = step.snapshot.counters
         self.spans.on_step(step)
         self._waiters.note(step.outputs)
+        if step.work:
+            self.step_cost.record(sum(w.num_new_tokens for w in step.work.values()),
+                                  sum(w.num_context_tokens for w in step.work.values()),
+                                  (step.ended_ns - step.started_ns) / 1e6)
 
     def _on_failure(self, exc: BaseException) -> None:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
@@ -208,9 +215,14 @@ class WorkerRuntime:
         fields = {"max_num_batched_tokens": policy.max_num_batched_tokens, "max_num_seqs": policy.max_num_seqs,
                   "chunk_size": policy.chunk_size}
         changes = {name: value for name, value in fields.items() if value > 0}
-        if not changes:
+        if not changes or policy == self.policy:
             return
-        log.info("applying the scheduler's batch policy %s", changes)
+        log.info("applying the scheduler's batch policy %s (batching window %d ms)", changes, policy.batch_window_ms)
+        self.policy = scheduler_pb2.BatchPolicy()
+        self.policy.CopyFrom(policy)
+        self.spans.policy_attributes = policy_attributes(policy)
+        if self.metrics is not None:
+            record_policy(self.metrics, policy)
 
         def apply(engine: Engine) -> None:
             engine.scheduler.limits = replace(engine.scheduler.limits, **changes)
@@ -242,6 +254,7 @@ class WorkerRuntime:
             waiting=snapshot.waiting + self.handoff.num_in_flight,
             queued_prefill_tokens=snapshot.queued_prefill_tokens,
             reserved_blocks=self.handoff.reserved_blocks,
+            step_cost=_step_cost_to_pb(self.step_cost.fit()),
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -250,3 +263,10 @@ class WorkerRuntime:
         stats.role = self.identity.role
         stats.uptime_s = time.monotonic() - self._started
         return stats
+
+
+def _step_cost_to_pb(cost: StepCost | None) -> scheduler_pb2.StepCostModel | None:
+    if cost is None:
+        return None
+    return scheduler_pb2.StepCostModel(fixed_ms=cost.fixed_ms, per_token_ms=cost.per_token_ms,
+                                       per_context_token_ms=cost.per_context_token_ms)

@@ -57,3 +57,16 @@ def update_metrics(metrics: ServiceMetrics, now: EngineSnapshot, before: EngineC
     metrics.prefix_cache_hits.inc(grown.prefix_hit_tokens)
     metrics.generation_tokens.inc(grown.generated_tokens)
     metrics.kv_transfer_bytes.inc(grown.kv_bytes_sent)
+
+
+def policy_attributes(policy: scheduler_pb2.BatchPolicy) -> dict[str, int]:
+    """The batching policy as span attributes of the requests that run under it."""
+    return {"tandem.batch.max_num_batched_tokens": policy.max_num_batched_tokens,
+            "tandem.batch.max_num_seqs": policy.max_num_seqs, "tandem.batch.chunk_size": policy.chunk_size,
+            "tandem.batch.window_ms": policy.batch_window_ms}
+
+
+def record_policy(metrics: ServiceMetrics, policy: scheduler_pb2.BatchPolicy) -> None:
+    """The batching policy in /metrics (tandem:batch_policy{field=...})."""
+    for name, value in policy_attributes(policy).items():
+        metrics.batch_policy(name.removeprefix("tandem.batch.")).set(value)

@@ -88,10 +88,11 @@ async def test_each_step_says_what_each_request_computed(model_dir):
                      "the warm request's end")
     await loop.stop()
     stepped = [s for s in steps if s.work]
+    # context: a chunk of n tokens from position c reads n*c + n(n+1)/2 KV entries
     assert [(s.work, s.batch_size) for s in stepped] == [
-        ({"cold": IterationWork(8, 0, 0)}, 1), ({"cold": IterationWork(8, 0, 0)}, 1),
-        ({"cold": IterationWork(3, 0, 0)}, 1), ({"cold": IterationWork(1, 0, 0)}, 1),
-        ({"warm": IterationWork(3, 16, 0)}, 1), ({"warm": IterationWork(1, 0, 0)}, 1)]
+        ({"cold": IterationWork(8, 0, 0, 36)}, 1), ({"cold": IterationWork(8, 0, 0, 100)}, 1),
+        ({"cold": IterationWork(3, 0, 0, 54)}, 1), ({"cold": IterationWork(1, 0, 0, 20)}, 1),
+        ({"warm": IterationWork(3, 16, 0, 54)}, 1), ({"warm": IterationWork(1, 0, 0, 20)}, 1)]
     assert all(s.started_ns < s.ended_ns for s in stepped)
     assert all(s.batch_size == 0 and not s.outputs for s in steps if not s.work)
 

@@ -31,6 +31,7 @@ EXPECTED_FAMILIES = {
     "tandem:request_generation_tokens": "histogram",
     "tandem:prompt_tokens_total": "counter",
     "tandem:generation_tokens_total": "counter",
+    "tandem:batch_policy": "gauge",
 }
 
 

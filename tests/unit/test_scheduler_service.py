@@ -34,6 +34,7 @@ from services.common.store import EmbeddedStore, Store
 from services.common.tracing import SpanName, setup_tracing
 from services.common.wire import DEFAULT_MAX_TOKENS
 from services.scheduler import dispatcher as dispatcher_module
+from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.main import SchedulerConfig, batch_policy
@@ -252,7 +253,8 @@ class Mesh:
 @asynccontextmanager
 async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
                     store: Store | None = None, spans: InMemorySpanExporter | None = None, migration: bool = True,
-                    policy: scheduler_pb2.BatchPolicy | None = None, **options) -> AsyncIterator[Mesh]:
+                    policy: scheduler_pb2.BatchPolicy | None = None, slo: SloPolicy | None = None,
+                    **options) -> AsyncIterator[Mesh]:
     """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
     `spans` when given."""
     registry = WorkerRegistry(store or EmbeddedStore(), ttl)
@@ -261,7 +263,7 @@ async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_run
                             migration=migration, tracer=tracer)
     server = create_server("127.0.0.1", 0, internal_token=TOKEN)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-                       SchedulerServicer(dispatcher, scheduler_id="test", policy=policy))
+                       SchedulerServicer(dispatcher, scheduler_id="test", policy=policy, slo=slo))
     await server.start()
     dispatcher.start(ttl / 5)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -384,6 +386,26 @@ async def test_a_registering_worker_receives_the_configured_batch_policy() -> No
         response = await mesh.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info),
                                                   metadata=CLIENT_METADATA)
     assert response.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=1024, max_num_seqs=0, chunk_size=128)
+
+
+async def test_a_heartbeat_with_a_step_cost_model_gets_the_policy_meeting_the_slos() -> None:
+    slo = SloPolicy(ttft_ms=1000, itl_ms=50, context_tokens=1024, max_seqs_cap=64)
+    async with scheduler(slo=slo) as mesh:
+        info = scheduler_pb2.WorkerInfo(worker_id="d-9", role=ROLES["d"], address="127.0.0.1:9", model=MODEL,
+                                        num_blocks=8, block_size=16)
+        await mesh.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
+        unfitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id="d-9"), metadata=CLIENT_METADATA)
+        cost = scheduler_pb2.StepCostModel(fixed_ms=10, per_token_ms=0.05, per_context_token_ms=0.0001)
+        fitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
+            worker_id="d-9", load=scheduler_pb2.WorkerLoad(step_cost=cost)), metadata=CLIENT_METADATA)
+    assert unfitted.known and not unfitted.HasField("policy")
+    assert fitted.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=262, max_num_seqs=64, chunk_size=256,
+                                                      batch_window_ms=10)
+
+
+def test_slo_targets_go_together() -> None:
+    with pytest.raises(ValueError, match=r"^--slo-ttft-ms and --slo-itl-ms go together, both > 0"):
+        SchedulerConfig(slo_ttft_ms=1000)
 
 
 def test_a_negative_batch_setting_is_refused_naming_its_flag() -> None:
