@@ -111,6 +111,7 @@ class EngineLoop:
         self._aio: asyncio.AbstractEventLoop | None = None
         self.snapshot = EngineSnapshot.of(engine)
         self.failure: BaseException | None = None
+        self.batch_window_s = 0.0  # the scheduler's batching window: see _gather
 
     def start(self) -> None:
         self._aio = asyncio.get_running_loop()
@@ -159,11 +160,23 @@ class EngineLoop:
         calls = self._wait_for_work()
         if calls is None:
             return False
-        self._run_calls(calls)
+        self._run_calls(self._gather(calls))
         stepped = self._step(changed=bool(calls))
         if not stepped and self.engine.has_unfinished():
             self._stall()
         return True
+
+    def _gather(self, calls: list[_Call]) -> list[_Call]:
+        """Calls arriving while nothing runs open a batching window: the calls of the next
+        `batch_window_s` join them, so prompts arriving together prefill in one step."""
+        if not calls or self.batch_window_s <= 0 or self.engine.scheduler.running:
+            return calls
+        deadline = time.monotonic() + self.batch_window_s
+        with self._cond:
+            while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            calls, self._calls = calls + self._calls, []
+        return calls
 
     def _run_calls(self, calls: list[_Call]) -> None:
         if not calls:

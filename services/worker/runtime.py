@@ -220,6 +220,7 @@ class WorkerRuntime:
         log.info("applying the scheduler's batch policy %s (batching window %d ms)", changes, policy.batch_window_ms)
         self.policy = scheduler_pb2.BatchPolicy()
         self.policy.CopyFrom(policy)
+        self.loop.batch_window_s = policy.batch_window_ms / 1000
         self.spans.policy_attributes = policy_attributes(policy)
         if self.metrics is not None:
             record_policy(self.metrics, policy)

@@ -97,6 +97,23 @@ async def test_each_step_says_what_each_request_computed(model_dir):
     assert all(s.batch_size == 0 and not s.outputs for s in steps if not s.work)
 
 
+async def test_prompts_arriving_within_the_batching_window_prefill_in_one_step(model_dir):
+    engine = Engine.from_model_dir(model_dir, CONFIG)
+    steps: list[StepResult] = []
+    loop = EngineLoop(engine, steps.append)
+    loop.batch_window_s = 2.0  # far longer than two calls take, even on a loaded machine
+    loop.start()
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first_call = asyncio.ensure_future(loop.call(lambda e: e.add_request("a", PROMPT, one_token)))
+    await asyncio.sleep(0)  # the call is queued
+    await eventually(lambda: not loop._calls, "the engine thread took the first call")  # without a window it steps now
+    await asyncio.gather(first_call, loop.call(lambda e: e.add_request("b", PROMPT[:5], one_token)))
+    await eventually(lambda: sum(bool(o.finish_reason) for s in steps for o in s.outputs) == 2, "both requests' ends")
+    await loop.stop()
+    first = next(s for s in steps if s.work)
+    assert sorted(first.work) == ["a", "b"] and first.batch_size == 2
+
+
 async def test_exceptions_reach_the_caller_and_a_stopped_loop_refuses_calls(model_dir):
     loop = EngineLoop(Engine.from_model_dir(model_dir, CONFIG), lambda step: None)
     loop.start()
