@@ -114,7 +114,9 @@ class KvHandoff:
     def admit(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
               params: SamplingParams, seed: int, salt: str = "", lora: str = "") -> None:
         """Starts decoding a request whose KV (all tokens but the last) was imported, from the next
-        step on. Engine thread; KeyError when its reservation is gone (cancelled meanwhile)."""
+        step on. Engine thread; KeyError when its reservation is gone (cancelled meanwhile). When the
+        engine refuses the sequence (an unknown adapter, a grammar it cannot compile) the reserved
+        blocks go back to the pool before the error propagates."""
         with self._lock:
             reservation = self._reservations.get(request_id)
             if reservation is None or reservation.cancelled:
@@ -124,7 +126,11 @@ class KvHandoff:
                        token_ids=list(prompt_token_ids) + list(output_token_ids))
         seq.block_table = reservation.block_ids
         seq.num_computed_tokens = seq.num_tokens - 1
-        self.engine.add_running(seq)
+        try:
+            self.engine.add_running(seq)
+        except BaseException:
+            self.engine.blocks.release(reservation.block_ids)
+            raise
         self.engine.counters.kv_bytes_received += reservation.received_bytes
 
     # -- either side ------------------------------------------------------------------------

@@ -144,3 +144,16 @@ def test_abort_frees_blocks_at_once(default_model_dir, parity_prompts):
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="prompt_token_ids is empty"):
         engine.add_request("b", [], GREEDY)
+
+
+def test_admit_refused_by_the_engine_returns_the_reserved_blocks(default_model_dir, parity_prompts):
+    engine = make_engine(default_model_dir)
+    handoff = KvHandoff(engine)
+    prompt = parity_prompts[2]
+    handoff.reserve("r", len(prompt) + 1)
+    assert engine.blocks.num_referenced_blocks == ceil_div(len(prompt) + 1, 16)
+    with pytest.raises(ValueError, match="names LoRA adapter 'nope' but this engine serves no adapters"):
+        handoff.admit("r", prompt, [7], GREEDY, seed=7, lora="nope")
+    assert_no_referenced_blocks(engine)
+    assert handoff.reservation("r") is None
+    assert not engine.has_request("r")
