@@ -1,6 +1,7 @@
-"""A LoRA adapter through the whole disaggregated mesh: HTTP requests name it as model
-"BASE:NAME", the prefill worker computes under it, the KV header carries it to the decode
-worker, and the greedy text equals HF transformers + PEFT's; /v1/models lists it."""
+"""A LoRA adapter through the whole mesh, disaggregated and colocated: HTTP requests name it as
+model "BASE:NAME", the prefill worker computes under it and the KV header carries it to the
+decode worker (or one colocated worker does both), and the greedy text equals HF transformers +
+PEFT's; /v1/models lists it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def adapter_dir(tmp_path_factory, default_model_dir):
     return directory
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory, default_model_dir, adapter_dir):
-    started = Mesh.start("--model", str(default_model_dir),
+@pytest.fixture(scope="module", params=[(), ("--mode", "colocated")], ids=["disaggregated", "colocated"])
+def mesh(request, tmp_path_factory, default_model_dir, adapter_dir):
+    started = Mesh.start(*request.param, "--model", str(default_model_dir),
                          env={"TANDEM_KV_MEMORY": "256MiB", "TANDEM_THREADS": "1", "TANDEM_LORA": f"fr={adapter_dir}"},
                          run_dir=tmp_path_factory.mktemp("lora-mesh"))
     yield started
@@ -53,20 +54,25 @@ def _hf_text(model_dir, adapter_dir) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+@pytest.fixture(scope="module")
+def expected(default_model_dir, adapter_dir) -> dict[str, str]:
+    """HF's greedy text with the adapter and without, computed once for both meshes."""
+    return {"fr": _hf_text(default_model_dir, adapter_dir), "": _hf_text(default_model_dir, None)}
+
+
 def _complete(mesh: Mesh, model: str) -> httpx.Response:
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     return httpx.post(f"{mesh.http_url}/v1/completions", json=body, timeout=300)
 
 
-def test_http_request_with_an_adapter_matches_peft(mesh, default_model_dir, adapter_dir):
+def test_http_request_with_an_adapter_matches_peft(mesh, default_model_dir, expected):
     base = model_name(default_model_dir)
     with_adapter = _complete(mesh, f"{base}:fr")
     assert with_adapter.status_code == 200, with_adapter.text
     plain = _complete(mesh, base)
     assert plain.status_code == 200, plain.text
-    expected = _hf_text(default_model_dir, adapter_dir)
-    assert with_adapter.json()["choices"][0]["text"] == expected
-    assert plain.json()["choices"][0]["text"] == _hf_text(default_model_dir, None) != expected
+    assert with_adapter.json()["choices"][0]["text"] == expected["fr"]
+    assert plain.json()["choices"][0]["text"] == expected[""] != expected["fr"]
 
 
 def test_models_list_the_adapter_and_unknown_adapters_are_404(mesh, default_model_dir):
