@@ -304,7 +304,7 @@ class GenerationPipeline:
         sampling = request.sampling
         attributes: dict[str, str | int | float] = {
             Attr.REQUEST_ID: request_id,
-            **telemetry.start_attributes(self.model.name),
+            **telemetry.start_attributes(self.model.name, request.served_at),
             Attr.GEN_AI_OPERATION_NAME: "chat" if request.messages is not None else "text_completion",
             Attr.GEN_AI_REQUEST_MODEL: self.model.name,
             Attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,

@@ -157,6 +157,9 @@ class HttpBridge:
         check_choices(body.num_choices, self.pipeline.limits)
         with _named_as_sent(body):
             requests = body.generation_requests(request.state.request_id, salt_for_key(api_key), DEFAULT_MAX_TOKENS)
+        server = request.scope.get("server")  # the local socket's (host, port); None on a Unix socket
+        for generation_request in requests:
+            generation_request.served_at = (server[0], server[1]) if server else None
         check_generations(len(requests), body.num_choices, self.pipeline.limits)
         return body, requests
 

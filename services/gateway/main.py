@@ -114,7 +114,8 @@ async def serve(config: GatewayConfig) -> None:
                            max_receive_bytes=PUBLIC_MESSAGE_BYTES,
                            credentials=config.tls.grpc_credentials() if config.tls else None)
     server.add_service(GENERATE_SERVICE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server,
-                       GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys)))
+                       GenerateServicer(pipeline, config.request_timeout, tenant_salts=bool(config.api_keys),
+                                        served_at=(config.host, server.port)))
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await start_http(http, config.host, config.http_port, tls=config.tls)

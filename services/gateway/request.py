@@ -39,6 +39,7 @@ class GenerationRequest:
     cache_salt: str = ""
     request_id: str = ""  # empty: the gateway assigns one
     max_tokens_to_context: bool = False  # no max_tokens given: generate up to the model's context
+    served_at: tuple[str, int] | None = None  # the door's (host, port) it came in on: the span's server.address/port
 
     @property
     def prompt_fields(self) -> list[str]:

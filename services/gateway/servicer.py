@@ -60,12 +60,15 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     """Generate streams a request's chunks; the first response carries its request and trace ids
     (also sent at once as `x-request-id` / `x-trace-id` initial metadata)."""
 
-    def __init__(self, pipeline: GenerationPipeline, default_timeout: float, tenant_salts: bool = False) -> None:
+    def __init__(self, pipeline: GenerationPipeline, default_timeout: float, tenant_salts: bool = False,
+                 served_at: tuple[str, int] | None = None) -> None:
         """`tenant_salts`: API keys are configured, so each key's requests get their own prefix
-        cache unless they send a cache_salt (as on the HTTP door)."""
+        cache unless they send a cache_salt (as on the HTTP door). `served_at`: the (host, port)
+        this door listens on, for its requests' spans."""
         self._pipeline = pipeline
         self._default_timeout = default_timeout
         self._tenant_salts = tenant_salts
+        self._served_at = served_at
 
     def _default_salt(self, context: grpc.aio.ServicerContext) -> str:
         if not self._tenant_salts:
@@ -83,6 +86,7 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
                                  self._pipeline.limits)
             domain = request_from_proto(request, self._default_salt(context))
             domain.request_id = request_id
+            domain.served_at = self._served_at
             generation = await self._pipeline.start(domain, timeout)
         except TandemError:  # refused before any work: the id still names it (a fresh one if its own is invalid)
             await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_or_new(request_id)),))

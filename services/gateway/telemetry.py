@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
-from opentelemetry.semconv.attributes import error_attributes
+from opentelemetry.semconv.attributes import error_attributes, server_attributes
 
 from services.common.metrics import ServiceMetrics
 from services.common.spans import Attr
@@ -22,10 +22,14 @@ ABANDONED = "cancelled"  # error.type of a request that ended before its finish 
 ABORT = "abort"  # request_success's finished_reason for it, as vLLM counts aborts
 
 
-def start_attributes(model: str) -> dict[str, str]:
-    """Start attributes of every gateway span beside the request's: the provider, and the model
-    that answers (the served model, known before the first token)."""
-    return {gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER, gen_ai.GEN_AI_RESPONSE_MODEL: model}
+def start_attributes(model: str, served_at: tuple[str, int] | None) -> dict[str, str | int]:
+    """Start attributes of every gateway span beside the request's: the provider, the model that
+    answers (the served model, known before the first token), and `server.address` / `server.port`
+    of the door the request came in on, when the door knows it."""
+    attributes: dict[str, str | int] = {gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER, gen_ai.GEN_AI_RESPONSE_MODEL: model}
+    if served_at is not None:
+        attributes[server_attributes.SERVER_ADDRESS], attributes[server_attributes.SERVER_PORT] = served_at
+    return attributes
 
 
 def record_finished(span: trace.Span, metrics: ServiceMetrics | None, request_id: str, finish_reason: str,

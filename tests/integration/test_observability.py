@@ -208,6 +208,8 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
         "gen_ai.provider.name": "tandem",
         "gen_ai.response.model": model_name,
         "gen_ai.response.id": "obs-one",
+        "server.address": "127.0.0.1",
+        "server.port": int(mesh.endpoint("gateway").address.rsplit(":", 1)[1]),
     }
     (first_token,) = root.events
     assert first_token.name == Event.FIRST_TOKEN
@@ -294,6 +296,8 @@ def test_http_requests_are_traced_from_the_gateway_root(mesh, run_dir, model_nam
     assert root.attributes[Attr.GEN_AI_OPERATION_NAME] == "text_completion"
     assert root.attributes[Attr.GEN_AI_USAGE_INPUT_TOKENS] == usage["prompt_tokens"]
     assert root.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+    http_host, http_port = mesh.http_url.removeprefix("http://").rsplit(":", 1)
+    assert (root.attributes["server.address"], root.attributes["server.port"]) == (http_host, int(http_port))
 
 
 # -- tandem trace ----------------------------------------------------------------------------

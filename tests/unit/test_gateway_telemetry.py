@@ -32,7 +32,7 @@ def _value(metrics: ServiceMetrics, name: str, **labels: str) -> float | None:
 def test_a_finished_request_carries_the_response_attributes_and_is_counted(spans) -> None:
     provider, exporter = spans
     metrics = ServiceMetrics("smol", "gateway")
-    span = provider.get_tracer("t").start_span("chat smol", attributes=telemetry.start_attributes("smol"))
+    span = provider.get_tracer("t").start_span("chat smol", attributes=telemetry.start_attributes("smol", ("127.0.0.1", 8000)))
     telemetry.record_finished(span, metrics, "req-1", "length", common_pb2.Usage(prompt_tokens=12, completion_tokens=7),
                               0.5)
     span.end()
@@ -40,13 +40,17 @@ def test_a_finished_request_carries_the_response_attributes_and_is_counted(spans
     assert dict(finished.attributes) == {
         "gen_ai.provider.name": "tandem", "gen_ai.response.model": "smol", "gen_ai.response.id": "req-1",
         "gen_ai.response.finish_reasons": ("length",), "gen_ai.usage.input_tokens": 12,
-        "gen_ai.usage.output_tokens": 7}
+        "gen_ai.usage.output_tokens": 7, "server.address": "127.0.0.1", "server.port": 8000}
     assert finished.status.status_code is StatusCode.UNSET
     assert _value(metrics, "tandem:request_success_total", finished_reason="length") == 1
     assert _value(metrics, "tandem:request_prompt_tokens_bucket", le="10.0") == 0
     assert _value(metrics, "tandem:request_prompt_tokens_bucket", le="20.0") == 1
     assert _value(metrics, "tandem:request_generation_tokens_sum") == 7
     assert _value(metrics, "tandem:e2e_request_latency_seconds_sum") == 0.5
+
+
+def test_a_door_that_does_not_know_its_address_sets_no_server_attributes() -> None:
+    assert telemetry.start_attributes("smol", None) == {"gen_ai.provider.name": "tandem", "gen_ai.response.model": "smol"}
 
 
 def test_an_abandoned_request_is_an_error_and_counted_as_abort(spans) -> None:
