@@ -9,6 +9,10 @@ lost: the relay is interrupted and the gateway submits the continuation), or end
 finished: its final event is on the worker's stream). A worker stream that breaks or that the
 worker drops therefore ends quietly: the Submit call says why. A worker's error event is left to
 the scheduler too, which reports it as the call's status.
+
+A scheduler that dies after placement (the Submit call breaks with UNAVAILABLE) takes nothing
+with it: the generating worker's stream goes on to the request's end, and only a stream that then
+ends without its final event fails the request (no scheduler is left to say why).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common.errors import Unavailable, error_from_rpc
+from services.common.errors import TandemError, Unavailable, error_from_rpc
 from services.gateway.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
@@ -39,6 +43,8 @@ class Attempt:
         self._tasks: list[asyncio.Task] = []
         self._watcher: asyncio.Task | None = None
         self._current = True
+        self._scheduler_gone = False  # the Submit call broke with UNAVAILABLE after placement
+        self._generator_cut: Unavailable | None = None  # the generator's stream ended before its final event
 
     def start(self, open_stream: OpenStream) -> None:
         """Read the workers' streams into the relay, and watch the Submit call."""
@@ -69,17 +75,28 @@ class Attempt:
         self.submit.cancel()
 
     async def _pump(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
+        finished = False
         try:
             async for event in call:
                 if not self._current:
                     return
                 if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    if self._scheduler_gone:
+                        self._fail(Unavailable(f"request {self._relay.request_id}: worker at {address} "
+                                               f"failed it and no scheduler is left to say why; retry the request"))
                     return  # the scheduler ends the Submit call with the worker's error
+                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 self._relay.push(event)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
                 log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
                          self._relay.request_id, address, error.code().name, error.details())
+        if address == self.placement.generator_address and not finished and self._current:
+            self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from {address} "
+                                              f"ended before the request did, after its scheduler was lost; "
+                                              f"retry the request")
+            if self._scheduler_gone:
+                self._fail(self._generator_cut)
 
     async def _watch(self) -> None:
         try:
@@ -90,5 +107,17 @@ class Attempt:
                         f"request {self._relay.request_id}: worker {event.lost.worker_id} was lost "
                         f"({event.lost.reason}); retry the request"))
         except grpc.aio.AioRpcError as error:
-            if self._current and error.code() != grpc.StatusCode.CANCELLED:
-                self._relay.fail(error_from_rpc(error))
+            if not self._current or error.code() == grpc.StatusCode.CANCELLED:
+                return
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                self._fail(error_from_rpc(error))
+                return
+            log.warning("request %s: its scheduler was lost (%s); streaming on from %s", self._relay.request_id,
+                        error.details(), self.placement.generator_address)
+            self._scheduler_gone = True
+            if self._generator_cut is not None:
+                self._fail(self._generator_cut)
+
+    def _fail(self, error: TandemError) -> None:
+        self._current = False
+        self._relay.fail(error)

@@ -25,7 +25,7 @@ class Registration:
 
     `on_reregistered` runs after the scheduler forgot the worker (TTL lapse or scheduler restart)
     and took it back: the scheduler has failed the worker's requests by then, so the worker drops
-    them and resends its whole prefix-cache contents. `on_policy` gets a batching policy a heartbeat
+    those no gateway reads and resends its whole prefix-cache contents. `on_policy` gets a batching policy a heartbeat
     answer carries (the scheduler sets it from SLOs once the worker reports a cost model).
     """
 

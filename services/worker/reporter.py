@@ -3,8 +3,8 @@
 A TokenBatch goes on the stream for each engine iteration in which requests started or ended (their
 first and final events: the tokens go to the gateway on the requests' own streams). When an open
 stream breaks the scheduler has lost this worker's requests, so the queued batches are dropped,
-`on_lost` lets the worker abort what it still runs, and the reporter reconnects with exponential
-backoff. An attempt that
+`on_lost` lets the worker abort what no gateway reads (the rest streams on to its gateway), and the
+reporter reconnects with exponential backoff. An attempt that
 never connected (the scheduler is restarting) fails nothing: what is queued waits for the next
 stream, since a restarted scheduler may route requests here before the stream is back.
 """

@@ -162,10 +162,13 @@ class WorkerRuntime:
 
     async def abort_all(self, reason: str) -> None:
         """Drops every request (the scheduler failed them: stream lost or registration expired; or shutdown)."""
-        ids = list(dict.fromkeys([*self._waiters.request_ids(), *self.handoff.request_ids(), *self.batcher.requests]))
+        ids = self._request_ids()
         if ids:
             log.warning("aborting %d request(s): %s", len(ids), reason)
             await self.abort(ids)
+
+    def _request_ids(self) -> list[str]:
+        return list(dict.fromkeys([*self._waiters.request_ids(), *self.handoff.request_ids(), *self.batcher.requests]))
 
     def _drop(self, engine: Engine, request_id: str) -> bool:
         freed = self.handoff.free(request_id)
@@ -201,11 +204,20 @@ class WorkerRuntime:
         asyncio.ensure_future(self.abort([request_id]))
 
     def _on_lost(self) -> None:
-        asyncio.ensure_future(self.abort_all("the scheduler lost this worker's token stream"))
+        asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream"))
+
+    async def _abort_unread(self, reason: str) -> None:
+        """The scheduler failed this worker's requests (its token-report stream broke, or it forgot the
+        worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
+        (another one, or this one back, accounts for their end); the ones nobody reads are dropped."""
+        ids = [rid for rid in self._request_ids() if not self.streams.attached(rid)]
+        if ids:
+            log.warning("aborting %d request(s) no gateway reads: %s", len(ids), reason)
+            await self.abort(ids)
 
     async def _on_reregistered(self, response: scheduler_pb2.RegisterWorkerResponse) -> None:
         await self.apply_policy(response.policy)
-        await self.abort_all("the scheduler had expired this worker")
+        await self._abort_unread("the scheduler had expired this worker")
         if self.reporter is not None:
             self.reporter.announce()
         await self.blocks.reset()

@@ -43,6 +43,11 @@ class RequestStreams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
+    def attached(self, request_id: str) -> bool:
+        """Whether a gateway reads the request's tokens now."""
+        stream = self._streams.get(request_id)
+        return stream is not None and stream.attached
+
     def open(self, request_id: str, *, hands_on: bool = False) -> None:
         """The worker takes the request; its reader has `attach_s` to come if it has not yet."""
         stream = self._streams.setdefault(request_id, _Stream())

@@ -104,3 +104,15 @@ async def test_a_request_dropped_before_its_reader_came_ends_the_reader_that_com
     streams.drop("q", "aborted")
     await asyncio.wait_for(_until(lambda: "q" not in streams), 5)
     assert abandoned == []
+
+
+async def test_attached_says_whether_a_gateway_reads_the_request_now():
+    streams = RequestStreams(lambda request_id: None)
+    streams.open("r1")
+    assert not streams.attached("r1") and not streams.attached("unknown")
+    reader = streams.follow("r1")
+    streams.push(scheduler_pb2.TokenEvent(request_id="r1", output_offset=0, token_ids=[7]))
+    assert (await anext(reader)).token_ids == [7]
+    assert streams.attached("r1")
+    await reader.aclose()
+    assert not streams.attached("r1")
