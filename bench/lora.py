@@ -1,5 +1,5 @@
-"""LoRA benchmark: the batched (masked) apply of services/runtime/lora.py against looping adapter
-by adapter, on the default model's shapes, and what adapters cost a whole decode step.
+"""LoRA benchmark: the masked apply of services/runtime/lora.py against looping adapter by
+adapter, on the default model's shapes, and what adapters cost a whole decode step.
 
 For K adapters of rank `--rank` on every q/k/v/o and MLP projection, rows spread evenly over them
 (32 rows: a decode batch; 512: a prefill chunk), it times every layer's LoRA updates both ways,
@@ -67,7 +67,7 @@ def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def apply_ms(batch: LoraBatch, x: torch.Tensor, inter: int, looped: bool) -> float:
     """Every layer's four projection updates (inputs of the right widths), in milliseconds."""
-    apply = batch.delta_looped if looped else batch.delta
+    apply = batch.delta_looped if looped else batch.delta_masked
     wide = x.new_zeros(x.shape[0], inter)
 
     def run() -> None:
@@ -107,7 +107,7 @@ def measure(model_dir: Path, rank: int) -> list[dict]:
                 batch = engine.loras.batch([(names[i % count], 1) for i in range(rows)])
                 x = torch.randn(rows, config.hidden_size)
                 rows_out.append({"adapters": count, "rows": rows,
-                                 "batched_ms": apply_ms(batch, x, config.intermediate_size, looped=False),
+                                 "masked_ms": apply_ms(batch, x, config.intermediate_size, looped=False),
                                  "looped_ms": apply_ms(batch, x, config.intermediate_size, looped=True)})
                 for name in names:
                     engine.loras.release(name)
@@ -129,9 +129,9 @@ def main() -> int:
         print(json.dumps(results, indent=2))
         return 0
     for row in results:
-        if "batched_ms" in row:
-            print(f"LoRA apply, {row['adapters']} adapters x {row['rows']} rows: batched {row['batched_ms']:.2f} ms, "
-                  f"looped {row['looped_ms']:.2f} ms ({row['looped_ms'] / row['batched_ms']:.2f}x)")
+        if "masked_ms" in row:
+            print(f"LoRA apply, {row['adapters']} adapters x {row['rows']} rows: masked {row['masked_ms']:.2f} ms, "
+                  f"looped {row['looped_ms']:.2f} ms ({row['looped_ms'] / row['masked_ms']:.2f}x)")
         else:
             print(f"decode step of 32 over {row['adapters']} adapters: {row['decode_step_ms']:.1f} ms "
                   f"(no adapter: {row['base_decode_step_ms']:.1f} ms)")

@@ -6,7 +6,9 @@ A rows stacked and one block-diagonal B (scaling folded in) per fused projection
 projection gets one low-rank update. A batch mixing adapters (and rows of none) applies them all
 at once: x times every adapter's A side by side, masked to each row's own adapter's columns,
 times every B side by side: two matrix products per projection whatever the mix
-(`LoraBatch.delta`; `delta_looped` is the per-adapter loop it is measured against).
+(`delta_masked`). Its products grow with the number of adapters, so past `MASKED_MAX_ROWS` rows
+(prefill chunks) looping adapter by adapter over its own rows is cheaper (`delta_looped`);
+bench/lora.py measures both.
 At most `max_loras` adapters are loaded at once; the least recently used idle one leaves first.
 """
 
@@ -33,6 +35,7 @@ FUSED_TARGETS = {  # the model's fused projection -> its PEFT target modules, in
 }
 _FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for target in targets}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+MASKED_MAX_ROWS = 64  # bench/lora.py: masked 2-6x faster at 32 rows, 1.3-3x slower at 512 with 4-8 adapters
 _UNSUPPORTED_OPTIONS = ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern")
 
 
@@ -80,7 +83,13 @@ class LoraBatch:
     row_owners: torch.Tensor  # [num_rows]
 
     def delta(self, layer: int, fused: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The batched update of `x`'s rows, each by its own adapter, or None if no adapter targets it."""
+        """The update of `x`'s rows, each by its own adapter, or None if no adapter targets it."""
+        if x.shape[0] > MASKED_MAX_ROWS:
+            return self.delta_looped(layer, fused, x)
+        return self.delta_masked(layer, fused, x)
+
+    def delta_masked(self, layer: int, fused: str, x: torch.Tensor) -> torch.Tensor | None:
+        """All adapters' updates in two products, masked to each row's own adapter's columns."""
         module = self.layers[layer].get(fused)
         if module is None:
             return None
@@ -88,7 +97,7 @@ class LoraBatch:
         return ((x @ module.a.T) * mask) @ module.b.T
 
     def delta_looped(self, layer: int, fused: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The same update computed adapter by adapter over its rows (the baseline of bench/lora.py)."""
+        """The same update computed adapter by adapter over its own rows."""
         module = self.layers[layer].get(fused)
         if module is None:
             return None
