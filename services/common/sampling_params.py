@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives to return; 0: only the chosen token's
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (teacher forcing)
     repetition_penalty: float = 1.0  # on prompt and output tokens
     presence_penalty: float = 0.0  # on output tokens
     frequency_penalty: float = 0.0  # on output tokens
@@ -70,6 +71,9 @@ class SamplingParams:
             ("seed", self.seed is None or _is_int(self.seed), "must be an integer or unset"),
             ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be in [0, {MAX_LOGPROBS}] or unset"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"must be in [0, {MAX_LOGPROBS}] or unset"),
             ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be a finite number > 0 (1 is off)"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),

@@ -36,6 +36,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
@@ -87,6 +88,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 

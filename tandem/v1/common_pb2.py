@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xeb\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12/\n\nstructured\x18\x11 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokens\"\xca\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12#\n\x1bnum_generated_prompt_tokens\x18\x07 \x01(\x05\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\x93\x01\n\x0eRequestTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x9d\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12/\n\nstructured\x18\x11 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xca\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12#\n\x1bnum_generated_prompt_tokens\x18\x07 \x01(\x05\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\x93\x01\n\x0eRequestTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1539
-  _globals['_FINISHREASON']._serialized_end=1684
-  _globals['_WORKERROLE']._serialized_start=1686
-  _globals['_WORKERROLE']._serialized_end=1803
+  _globals['_FINISHREASON']._serialized_start=1589
+  _globals['_FINISHREASON']._serialized_end=1734
+  _globals['_WORKERROLE']._serialized_start=1736
+  _globals['_WORKERROLE']._serialized_end=1853
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=785
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=564
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=612
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=788
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=990
-  _globals['_CHOICELIST']._serialized_start=992
-  _globals['_CHOICELIST']._serialized_end=1021
-  _globals['_TOPLOGPROB']._serialized_start=1023
-  _globals['_TOPLOGPROB']._serialized_end=1070
-  _globals['_TOKENLOGPROB']._serialized_start=1072
-  _globals['_TOKENLOGPROB']._serialized_end=1166
-  _globals['_USAGE']._serialized_start=1168
-  _globals['_USAGE']._serialized_end=1248
-  _globals['_REQUESTTIMINGS']._serialized_start=1251
-  _globals['_REQUESTTIMINGS']._serialized_end=1398
-  _globals['_REQUESTERROR']._serialized_start=1400
-  _globals['_REQUESTERROR']._serialized_end=1445
-  _globals['_ABORTREQUEST']._serialized_start=1447
-  _globals['_ABORTREQUEST']._serialized_end=1498
-  _globals['_ABORTRESPONSE']._serialized_start=1500
-  _globals['_ABORTRESPONSE']._serialized_end=1536
+  _globals['_SAMPLINGPARAMS']._serialized_end=835
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=594
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=642
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=838
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1040
+  _globals['_CHOICELIST']._serialized_start=1042
+  _globals['_CHOICELIST']._serialized_end=1071
+  _globals['_TOPLOGPROB']._serialized_start=1073
+  _globals['_TOPLOGPROB']._serialized_end=1120
+  _globals['_TOKENLOGPROB']._serialized_start=1122
+  _globals['_TOKENLOGPROB']._serialized_end=1216
+  _globals['_USAGE']._serialized_start=1218
+  _globals['_USAGE']._serialized_end=1298
+  _globals['_REQUESTTIMINGS']._serialized_start=1301
+  _globals['_REQUESTTIMINGS']._serialized_end=1448
+  _globals['_REQUESTERROR']._serialized_start=1450
+  _globals['_REQUESTERROR']._serialized_end=1495
+  _globals['_ABORTREQUEST']._serialized_start=1497
+  _globals['_ABORTREQUEST']._serialized_end=1548
+  _globals['_ABORTRESPONSE']._serialized_start=1550
+  _globals['_ABORTRESPONSE']._serialized_end=1586
 # @@protoc_insertion_point(module_scope)
