@@ -147,20 +147,38 @@ class InflightTable:
     def holders(self) -> set[str]:
         return {worker_id for s in self._states.values() for worker_id in s.placement.holders}
 
+    def loads(self) -> WorkerLoads:
+        """The per-worker sums routing adds to the workers' reports, in one pass over the table."""
+        loads = WorkerLoads()
+        for state in self._states.values():
+            placement = state.placement
+            if state.status < Status.GENERATING and placement.prefill is not None:
+                worker_id = placement.prefill.info.worker_id
+                loads.queued_prefill[worker_id] = loads.queued_prefill.get(worker_id, 0) + placement.uncached_tokens
+            if (generator := placement.generator_id) is not None:
+                loads.generating[generator] = loads.generating.get(generator, 0) + 1
+            if placement.decode is not None and placement.reserved_blocks:
+                loads.reservations.setdefault(placement.decode.info.worker_id, []).append(
+                    (placement.reserved_at, placement.reserved_blocks))
+        return loads
+
+
+@dataclass(slots=True)
+class WorkerLoads:
+    """What this scheduler's requests put on each worker, at one moment (InflightTable.loads)."""
+
+    queued_prefill: dict[str, int] = field(default_factory=dict)
+    generating: dict[str, int] = field(default_factory=dict)
+    reservations: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # decode worker -> (at, blocks)
+
     def queued_prefill_tokens(self, worker_id: str) -> int:
         """Prompt tokens this scheduler sent the worker to compute that have not produced a first token."""
-        return sum(s.placement.uncached_tokens for s in self._states.values()
-                   if s.status < Status.GENERATING and s.placement.prefill is not None
-                   and s.placement.prefill.info.worker_id == worker_id)
+        return self.queued_prefill.get(worker_id, 0)
 
     def running(self, worker_id: str) -> int:
         """Requests generating (or about to) on the decode or colocated worker."""
-        return sum(1 for p in self._placements() if p.generator_id == worker_id)
+        return self.generating.get(worker_id, 0)
 
     def reserved_since(self, worker_id: str, since: float) -> int:
         """Blocks reserved on the decode worker after `since` (its last report), for requests still in flight."""
-        return sum(p.reserved_blocks for p in self._placements()
-                   if p.decode is not None and p.decode.info.worker_id == worker_id and p.reserved_at > since)
-
-    def _placements(self) -> Iterator[Placement]:
-        return (s.placement for s in self._states.values())
+        return sum(blocks for at, blocks in self.reservations.get(worker_id, ()) if at > since)

@@ -16,7 +16,7 @@ from enum import Enum
 from services.common.block_hash import hash_chain
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
-from services.scheduler.inflight import InflightTable
+from services.scheduler.inflight import InflightTable, WorkerLoads
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Candidate, Score, blocks_for, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
@@ -68,7 +68,8 @@ def room(registry: WorkerRegistry, inflight: InflightTable, request: scheduler_p
         return Room.NEVER
     if generators[0].info.role == WorkerRole.COLOCATED:
         return Room.NOW
-    if any(_candidate(registry, inflight, r).free_blocks >= blocks_for(num_tokens, r.info.block_size)
+    loads = inflight.loads()
+    if any(_candidate(registry, loads, r).free_blocks >= blocks_for(num_tokens, r.info.block_size)
            for r in generators):
         return Room.NOW
     return Room.LATER
@@ -104,8 +105,9 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     matched = await _prefix_matches(registry, request, prefill)
     degraded = registry.degraded
     prompt_tokens = len(request.token_ids)
-    prefill_candidates = [_candidate(registry, inflight, r, matched.get(r.info.worker_id, 0)) for r in prefill]
-    decode_candidates = [_candidate(registry, inflight, r) for r in decode]
+    loads = inflight.loads()
+    prefill_candidates = [_candidate(registry, loads, r, matched.get(r.info.worker_id, 0)) for r in prefill]
+    decode_candidates = [_candidate(registry, loads, r) for r in decode]
     return RoutePlan(
         colocated=bool(colocated),
         prefill=rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded),
@@ -131,16 +133,16 @@ async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.Submi
     return matched
 
 
-def _candidate(registry: WorkerRegistry, inflight: InflightTable, record: WorkerRecord,
+def _candidate(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord,
                cached_blocks: int = 0) -> Candidate:
     worker_id = record.info.worker_id
     reported_at = registry.last_seen(worker_id) or 0.0
     return Candidate(
         worker_id=worker_id,
         block_size=record.info.block_size,
-        free_blocks=registry.free_blocks(record) - inflight.reserved_since(worker_id, reported_at),
-        running=inflight.running(worker_id),
-        queued_prefill_tokens=inflight.queued_prefill_tokens(worker_id),
+        free_blocks=registry.free_blocks(record) - loads.reserved_since(worker_id, reported_at),
+        running=loads.running(worker_id),
+        queued_prefill_tokens=loads.queued_prefill_tokens(worker_id),
         cached_blocks=cached_blocks,
     )
 
