@@ -6,11 +6,14 @@ only takes what is left of the token budget (services/runtime/batch_scheduler.py
 whose full step fits the ITL target keeps every colocated decode step under it, however long
 the prompt being prefilled:
 
-    token budget  B = floor((itl - fixed) / (per_token + per_context * context))   (at least 1)
+    token budget  B = floor((itl - fixed) / (per_token + per_context * context))   (at least one block)
     max sequences   = min(B, cap)        a step of decodes alone fits too
-    chunk size      = B rounded down to whole blocks (a chunk ends on a block edge), at least one block
+    chunk size      = B rounded down to whole blocks (a chunk ends on a block edge)
     window          = min(fixed, TTFT slack of a typical prompt)
 
+A target the worker cannot meet even with one block of tokens per step (its fixed cost alone is
+about the target, as on a loaded CPU) gets steps of one block: smaller ones would not bring the step
+time under the target, and would cut throughput by the fixed cost paid per few tokens.
 Waiting to form a prefill batch saves at most one step's fixed cost, so the window never exceeds
 it, and it never spends more than the slack the typical prompt's prefill leaves under the TTFT target.
 """
@@ -65,8 +68,8 @@ class SloPolicy:
 
 
 def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
-    budget = token_budget(cost, targets.itl_ms, targets.context_tokens)
-    chunk = max(targets.block_size, budget // targets.block_size * targets.block_size)
+    budget = max(targets.block_size, token_budget(cost, targets.itl_ms, targets.context_tokens))
+    chunk = budget // targets.block_size * targets.block_size
     slack = targets.ttft_ms - prefill_ms(cost, targets.typical_prompt_tokens, chunk)
     window = max(0.0, min(cost.fixed_ms, slack))
     return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget, targets.max_seqs_cap),
@@ -74,12 +77,11 @@ def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
 
 
 def token_budget(cost: StepCost, itl_ms: float, context_tokens: int) -> int:
-    """The most tokens one step may compute and still end within `itl_ms` (at least 1: a worker
-    whose fixed cost alone exceeds the target still has to make progress)."""
+    """The most tokens one step may compute and still end within `itl_ms` (0 when even one cannot)."""
     per_token = cost.per_token_ms + cost.per_context_token_ms * context_tokens
     if per_token <= 0:
         raise ValueError(f"a step cost with no per-token term cannot size a budget: {cost}")
-    return max(1, math.floor((itl_ms - cost.fixed_ms) / per_token))
+    return max(0, math.floor((itl_ms - cost.fixed_ms) / per_token))
 
 
 def prefill_ms(cost: StepCost, prompt_tokens: int, chunk_size: int) -> float:

@@ -11,9 +11,10 @@ whoever asks for them (an Abort RPC, a lost token stream, shutdown), go through 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -49,15 +50,18 @@ class WorkerIdentity:
 class WorkerRuntime:
     """Call order: await start() -> ... -> await stop().
 
-    With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
-    reported; the worker still serves its RPCs.
+    The worker registers with, heartbeats to and reports its requests' starts and ends to every
+    scheduler replica (`schedulers`): any of them may place a request here and must see it end,
+    and each must keep listing it when another dies. Its prefix-cache changes go to the first one
+    (the replicas share the index through the store). With no scheduler channel (standalone, for
+    tests and benchmarks) nothing is registered or reported; the worker still serves its RPCs.
     """
 
     def __init__(
         self,
         engine: Engine,
         identity: WorkerIdentity,
-        scheduler: grpc.aio.Channel | None,
+        schedulers: Sequence[grpc.aio.Channel],
         metadata: tuple[tuple[str, str], ...] = (),
         metrics: ServiceMetrics | None = None,
         report_blocks: bool = True,
@@ -71,11 +75,13 @@ class WorkerRuntime:
         self.streams = RequestStreams(self._abandoned)
         self._waiters = RequestWaiters()
         self.loop = EngineLoop(engine, self._on_step, self._on_failure)
-        self.blocks = BlockReporter(scheduler if report_blocks else None, identity.worker_id, metadata)
-        self.reporter = (TokenReporter(scheduler, identity.worker_id, metadata, on_lost=self._on_lost)
-                         if scheduler is not None else None)
-        self.registration = (Registration(scheduler, self.info(), self.load, metadata, self._on_reregistered,
-                                          self.apply_policy) if scheduler is not None else None)
+        self.blocks = BlockReporter(schedulers[0] if schedulers and report_blocks else None, identity.worker_id,
+                                    metadata)
+        self.reporters = [TokenReporter(channel, identity.worker_id, metadata, on_lost=self._on_lost)
+                          for channel in schedulers]
+        self.registrations = [Registration(channel, self.info(), self.load, metadata,
+                                           functools.partial(self._on_reregistered, reporter), self.apply_policy)
+                              for channel, reporter in zip(schedulers, self.reporters, strict=True)]
         self.step_cost = StepCostFit()
         self.policy = scheduler_pb2.BatchPolicy()
         self.failed = asyncio.Event()
@@ -89,25 +95,25 @@ class WorkerRuntime:
     async def start(self) -> None:
         """Starts the engine thread, then registers (waiting for the scheduler) and opens the stream."""
         self.loop.start()
-        if self.registration is None or self.reporter is None:
+        if not self.registrations:
             return
-        response = await self.registration.register()
-        await self.apply_policy(response.policy)
-        self.reporter.start()
+        responses = await asyncio.gather(*(registration.register() for registration in self.registrations))
+        await self.apply_policy(responses[0].policy)
+        for reporter in self.reporters:
+            reporter.start()
         await self.blocks.reset()
-        self.registration.start_heartbeats()
+        for registration in self.registrations:
+            registration.start_heartbeats()
 
     async def stop(self, drain_s: float) -> None:
         """Leaves the registry, lets running requests finish for `drain_s`, then stops everything."""
-        if self.registration is not None:
-            await self.registration.stop(deregister=True)
+        await asyncio.gather(*(registration.stop(deregister=True) for registration in self.registrations))
         deadline = time.monotonic() + drain_s
         while self._busy() and time.monotonic() < deadline and not self.failed.is_set():
             await asyncio.sleep(0.05)
         if self._busy() and not self.failed.is_set():
             await self.abort_all("worker shutting down")
-        if self.reporter is not None:
-            await self.reporter.stop()
+        await asyncio.gather(*(reporter.stop() for reporter in self.reporters))
         await self.loop.stop()
 
     def _busy(self) -> bool:
@@ -182,8 +188,9 @@ class WorkerRuntime:
         produced = self.batcher.batch(step)
         for event in produced.events:
             self.streams.push(event)
-        if produced.report is not None and self.reporter is not None:
-            self.reporter.send(produced.report)
+        if produced.report is not None:
+            for reporter in self.reporters:
+                reporter.send(produced.report)
         if self.metrics is not None:
             update_metrics(self.metrics, step.snapshot, self._previous, produced.events)
         self._previous = step.snapshot.counters
@@ -207,19 +214,22 @@ class WorkerRuntime:
         asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream"))
 
     async def _abort_unread(self, reason: str) -> None:
-        """The scheduler failed this worker's requests (its token-report stream broke, or it forgot the
+        """A scheduler failed this worker's requests (its token-report stream broke, or it forgot the
         worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
-        (another one, or this one back, accounts for their end); the ones nobody reads are dropped."""
+        (another one, or this one back, accounts for their end). With one scheduler the ones nobody
+        reads yet are dropped; with several, this worker cannot tell which one placed them, so they
+        stay, and one whose gateway never attaches is given up after the attach window."""
+        if len(self.reporters) > 1:
+            return
         ids = [rid for rid in self._request_ids() if not self.streams.attached(rid)]
         if ids:
             log.warning("aborting %d request(s) no gateway reads: %s", len(ids), reason)
             await self.abort(ids)
 
-    async def _on_reregistered(self, response: scheduler_pb2.RegisterWorkerResponse) -> None:
+    async def _on_reregistered(self, reporter: TokenReporter, response: scheduler_pb2.RegisterWorkerResponse) -> None:
         await self.apply_policy(response.policy)
         await self._abort_unread("the scheduler had expired this worker")
-        if self.reporter is not None:
-            self.reporter.announce()
+        reporter.announce()
         await self.blocks.reset()
 
     async def apply_policy(self, policy: scheduler_pb2.BatchPolicy) -> None:
@@ -229,7 +239,8 @@ class WorkerRuntime:
         changes = {name: value for name, value in fields.items() if value > 0}
         if not changes or policy == self.policy:
             return
-        log.info("applying the scheduler's batch policy %s (batching window %d ms)", changes, policy.batch_window_ms)
+        log.info("applying the scheduler's batch policy %s (batching window %d ms; step cost here %s)", changes,
+                 policy.batch_window_ms, self.step_cost.fit())
         self.policy = scheduler_pb2.BatchPolicy()
         self.policy.CopyFrom(policy)
         self.loop.batch_window_s = policy.batch_window_ms / 1000

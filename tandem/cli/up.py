@@ -52,6 +52,8 @@ class UpConfig:
     stop_grace: float
     max_restarts: int  # restarts of one service in a row before giving up (see RestartPolicy)
     internal_token_file: Path | None  # None: TANDEM_INTERNAL_TOKEN, else a random token for this run
+    slo_ttft_ms: float = 0.0  # with slo_itl_ms: the scheduler sets each worker's batching policy (0: off)
+    slo_itl_ms: float = 0.0
 
     @property
     def connect_host(self) -> str:
@@ -111,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker device: cpu, cuda:N, or auto (a GPU each, round-robin, when there are GPUs)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for each stage")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds each stage gets to stop")
+    parser.add_argument("--slo-ttft-ms", type=float, default=0.0,
+                        help="time-to-first-token target, with --slo-itl-ms: the scheduler sets each worker's batching "
+                             "policy from the step-cost model the worker measures (default 0: off)")
+    parser.add_argument("--slo-itl-ms", type=float, default=0.0, help="inter-token latency target (default 0: off)")
     policy = RestartPolicy()
     parser.add_argument("--max-restarts", type=_non_negative, default=policy.max_restarts,
                         help="a service that exits is restarted with backoff; after this many restarts in a row "
@@ -276,7 +282,8 @@ class LocalSystem:
         port, metrics_port = self._free_port(), self._free_port()
         if redis_url:  # by environment: the URL carries the password
             self._env["TANDEM_REDIS_URL"] = redis_url
-        child = self._service("scheduler", "scheduler", port, ["--metrics-port", str(metrics_port)])
+        slo = ["--slo-ttft-ms", str(self.config.slo_ttft_ms), "--slo-itl-ms", str(self.config.slo_itl_ms)]
+        child = self._service("scheduler", "scheduler", port, ["--metrics-port", str(metrics_port), *slo])
         self._start_tier([child], stop)
         self._add_grpc_endpoints(child, port, metrics_port)
         return self._address(port)

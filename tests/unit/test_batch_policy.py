@@ -3,7 +3,7 @@
 import pytest
 
 from services.runtime.step_cost import StepCost
-from services.scheduler.batch_policy import BatchPolicyNumbers, ServiceTargets, policy_for, prefill_ms
+from services.scheduler.batch_policy import BatchPolicyNumbers, ServiceTargets, policy_for, prefill_ms, token_budget
 
 COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001)
 
@@ -31,9 +31,11 @@ def test_full_budget_step_meets_the_itl_target() -> None:
     assert COST.step_ms(policy.max_num_batched_tokens + 1, (policy.max_num_batched_tokens + 1) * 1024) > 50
 
 
-def test_itl_below_the_fixed_cost_still_makes_progress() -> None:
+def test_an_itl_target_the_worker_cannot_meet_gets_steps_of_one_block() -> None:
+    assert token_budget(COST, itl_ms=5, context_tokens=1024) == 0
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=5)) == BatchPolicyNumbers(
-        max_num_batched_tokens=1, max_num_seqs=1, chunk_size=16, batch_window_ms=10)
+        max_num_batched_tokens=16, max_num_seqs=16, chunk_size=16, batch_window_ms=10)
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)).max_num_batched_tokens == 16
 
 
 def test_nonpositive_target_is_refused() -> None:
