@@ -5,7 +5,9 @@ exported in a copy thread, imported on the receiver's event loop).
 
 Reports, per prompt length (default 100 and 1,000 tokens of the default model): ms per hand-off
 (median of --repeats) and GB/s (10^9 bytes of KV per second), plus the export and import copies
-alone. Bounded: --repeats hand-offs per length. Print `cat /proc/loadavg` beside the figures; run
+alone; and the same KV through a pooled shared-memory segment (one pre-faulted /dev/shm mapping the
+sender gathers into and the receiver copies from: the copies a same-host path would cost, with no
+gRPC). Bounded: --repeats hand-offs per length. Print `cat /proc/loadavg` beside the figures; run
 under `flock /tmp/tandem-bench.lock`.
 Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--json]`.
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -26,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from services.common.model_config import ModelConfig  # noqa: E402
@@ -48,6 +53,8 @@ class Figure:
     handoff_gb_per_s: float
     export_ms_p50: float
     import_ms_p50: float
+    shm_ms_p50: float
+    shm_gb_per_s: float
 
 
 def _cache(config: ModelConfig) -> PagedKVCache:
@@ -114,6 +121,37 @@ def _copy_times(cache: PagedKVCache, block_ids: list[int], repeats: int) -> tupl
     return statistics.median(exports) * 1000, statistics.median(imports) * 1000
 
 
+def _shm_time(cache: PagedKVCache, block_ids: list[int], repeats: int) -> float:
+    """Median seconds to gather every layer's blocks into a pre-faulted shared mapping and copy
+    them back out of a second mapping of it; the file is unlinked before use, so nothing is left."""
+    shape = (cache.num_layers, 2, len(block_ids), *cache.block_shape)
+    size = len(block_ids) * cache.block_bytes
+    fd = os.open(f"/dev/shm/tandem-kv-bench-{os.getpid()}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.unlink(f"/dev/shm/tandem-kv-bench-{os.getpid()}")
+        os.ftruncate(fd, size)
+        writer, reader = mmap.mmap(fd, size), mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    sent = np.frombuffer(writer, dtype=np.float32).reshape(shape)
+    received = np.frombuffer(reader, dtype=np.float32).reshape(shape)
+    k, v = cache.k.numpy(), cache.v.numpy()
+    times = []
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        start = time.perf_counter()
+        for layer in range(cache.num_layers):
+            np.take(k[layer], block_ids, axis=0, out=sent[layer, 0])
+            np.take(v[layer], block_ids, axis=0, out=sent[layer, 1])
+        for layer in range(cache.num_layers):
+            k[layer][block_ids] = received[layer, 0]
+            v[layer][block_ids] = received[layer, 1]
+        times.append(time.perf_counter() - start)
+    del sent, received
+    writer.close()
+    reader.close()
+    return statistics.median(times[1:])
+
+
 async def _measure(address: str, cache: PagedKVCache, tokens: int, repeats: int) -> Figure:
     block_ids = list(range(tokens // BLOCK_SIZE + 1))
     kv_bytes = len(block_ids) * cache.block_bytes
@@ -129,7 +167,9 @@ async def _measure(address: str, cache: PagedKVCache, tokens: int, repeats: int)
                 raise RuntimeError(f"the receiver got {ack.bytes} bytes of {kv_bytes}")
     export_ms, import_ms = _copy_times(cache, block_ids, repeats)
     median = statistics.median(times)
-    return Figure(tokens, kv_bytes, median * 1000, kv_bytes / median / 1e9, export_ms, import_ms)
+    shm = _shm_time(cache, block_ids, repeats)
+    return Figure(tokens, kv_bytes, median * 1000, kv_bytes / median / 1e9, export_ms, import_ms,
+                  shm * 1000, kv_bytes / shm / 1e9)
 
 
 def main() -> None:
@@ -160,10 +200,10 @@ def main() -> None:
         print(json.dumps({"loadavg": loadavg, "figures": [asdict(f) for f in figures]}, indent=2))
         return
     print(f"loadavg: {loadavg}")
-    print(f"{'tokens':>7} {'KV MB':>7} {'hand-off ms':>12} {'GB/s':>6} {'export ms':>10} {'import ms':>10}")
+    print(f"{'tokens':>7} {'KV MB':>7} {'hand-off ms':>12} {'GB/s':>6} {'export ms':>10} {'import ms':>10} {'shm ms':>7} {'shm GB/s':>9}")
     for f in figures:
         print(f"{f.tokens:>7} {f.kv_bytes / 1e6:>7.2f} {f.handoff_ms_p50:>12.2f} {f.handoff_gb_per_s:>6.2f} "
-              f"{f.export_ms_p50:>10.2f} {f.import_ms_p50:>10.2f}")
+              f"{f.export_ms_p50:>10.2f} {f.import_ms_p50:>10.2f} {f.shm_ms_p50:>7.2f} {f.shm_gb_per_s:>9.2f}")
 
 
 if __name__ == "__main__":
