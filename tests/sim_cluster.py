@@ -2,8 +2,9 @@
 simulated workers (`tandem sim-worker`, no model), each a child process with its log in the run
 directory, started tier by tier and stopped together even when a start fails.
 
-Several scheduler replicas are a parameter (`schedulers`) so the bench keeps its shape when the
-gateway and the workers learn to spread over them; today one is supported.
+Several scheduler replicas (`schedulers`, with Redis: they share the registry, the prefix index and
+the load view through it) each take every worker's registration and reports; the gateway spreads
+requests over them. The first is the child "scheduler", the others "scheduler-1", ...
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SimCluster:
     run_dir: Path
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     tiers: list[list[Child]] = field(default_factory=list)
-    scheduler: str = ""
+    schedulers: list[str] = field(default_factory=list)  # every replica's address
     gateway: str = ""
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> address
     children: dict[str, Child] = field(default_factory=dict)  # "scheduler", "gateway", "sim-0", ...
@@ -58,24 +59,25 @@ class SimCluster:
     @classmethod
     def start(cls, run_dir: Path, sims: list[SimSpec], *, redis_url: str | None = None, schedulers: int = 1,
               scheduler_flags: tuple[str, ...] = (), model: Path | None = None) -> SimCluster:
-        if schedulers != 1:
-            raise ValueError(f"schedulers={schedulers}: the gateway and the workers reach one scheduler today; "
-                             "several need the replicas of issue 12, part 2")
+        if schedulers < 1 or (schedulers > 1 and not redis_url):
+            raise ValueError(f"schedulers={schedulers}: give 1, or several with a redis_url (replicas share "
+                             "their state through Redis; the embedded store is one process's)")
         cluster = cls(run_dir)
         try:
-            cluster._start(sims, redis_url, scheduler_flags, model)
+            cluster._start(sims, redis_url, scheduler_flags, model, schedulers)
         except BaseException:
             cluster.stop()
             raise
         return cluster
 
     def _start(self, sims: list[SimSpec], redis_url: str | None, scheduler_flags: tuple[str, ...],
-               model: Path | None) -> None:
+               model: Path | None, schedulers: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
-        self.scheduler = f"127.0.0.1:{port}"
+        ports = [_free_port() for _ in range(schedulers)]
+        self.schedulers = [f"127.0.0.1:{port}" for port in ports]
         flags = ["--metrics-port", "0", *(["--redis-url", redis_url] if redis_url else []), *scheduler_flags]
-        self._tier([self._service("scheduler", "scheduler", port, flags)])
+        self._tier([self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port, flags)
+                    for i, port in enumerate(ports)])
         model_flags = ["--model", str(model)] if model else []
         self._tier([self._sim(f"sim-{i}", spec, model_flags) for i, spec in enumerate(sims)])
         for name, child in self.children.items():
@@ -84,7 +86,7 @@ class SimCluster:
         port, http_port = _free_port(), _free_port()
         self.gateway = f"127.0.0.1:{port}"
         self._tier([self._service("gateway", "gateway", port,
-                                  ["--http-port", str(http_port), "--scheduler", self.scheduler, *model_flags])])
+                                  ["--http-port", str(http_port), "--scheduler", ",".join(self.schedulers), *model_flags])])
 
     def _service(self, name: str, command: str, port: int, flags: list[str]) -> Child:
         address = f"127.0.0.1:{port}"
@@ -92,7 +94,7 @@ class SimCluster:
 
     def _sim(self, name: str, spec: SimSpec, model_flags: list[str]) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        argv = ["sim-worker", "--scheduler", self.scheduler, *spec.flags(), *model_flags]
+        argv = ["sim-worker", "--scheduler", ",".join(self.schedulers), *spec.flags(), *model_flags]
         return self._child(name, argv, lambda: _printed_ready(log_path))
 
     def _child(self, name: str, argv: list[str], ready) -> Child:
@@ -112,6 +114,11 @@ class SimCluster:
     def stop(self, grace: float = 10.0) -> None:
         stop_all(list(reversed(self.tiers)), grace)
         self.tiers = []
+
+    @property
+    def scheduler(self) -> str:
+        """The first replica's address."""
+        return self.schedulers[0]
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

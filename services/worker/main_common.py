@@ -56,11 +56,14 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     advertise: str | None = None
-    scheduler: str | None = DEFAULT_SCHEDULER  # None: standalone (no registration, no token stream)
+    scheduler: tuple[str, ...] = (DEFAULT_SCHEDULER,)  # every replica; (): standalone (no registration, no token stream)
     model: str | None = None  # None: the default model, converted on first use
     device: str = "cpu"
     threads: int | None = None  # None: 1 on CPU (two workers share two cores), torch's default on GPU
-    kv_memory: int = 2 << 30
+    kv_memory: int | None = None  # None: 2 GiB on a CPU, kv_memory_fraction of free GPU memory on CUDA
+    kv_memory_fraction: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 64
     max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
     chunk_size: int = DEFAULT_CHUNK_SIZE
     kv_chunk_bytes: int = 1 << 20
@@ -81,6 +84,9 @@ class WorkerConfig:
     def engine_config(self, precision: Precision) -> EngineConfig:
         return EngineConfig(
             kv_memory_bytes=self.kv_memory,
+            kv_memory_fraction=self.kv_memory_fraction,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_batched_tokens,
             chunk_size=self.chunk_size,
             device=self.device,
@@ -130,12 +136,20 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--advertise", type=parse_address, metavar="HOST:PORT",
                help="address the scheduler and other workers reach this worker at; none: host:port, "
                     "with 127.0.0.1 for an unspecified host")
-    add_option(parser, "--scheduler", type=_scheduler_address, default=DEFAULT_SCHEDULER, metavar="HOST:PORT",
-               help="the scheduler to register with; 'none' runs standalone")
+    add_option(parser, "--scheduler", type=_scheduler_addresses, default=(DEFAULT_SCHEDULER,), metavar="HOST:PORT,...",
+               help="the schedulers to register with and report to (every replica); 'none' runs standalone")
     add_option(parser, "--model", metavar="DIR", help="HF model directory; none: the default model")
     add_option(parser, "--device", default="cpu", help="cpu or cuda:N")
     add_option(parser, "--threads", type=int, help="torch threads; none: 1 on CPU, torch's choice on GPU")
-    add_option(parser, "--kv-memory", type=parse_size, default="2GiB", help="memory for the KV cache")
+    add_option(parser, "--kv-memory", type=parse_size,
+               help="memory for the KV cache; none: 2GiB on a CPU, --kv-memory-fraction of the GPU memory free "
+                    "after the weights load on CUDA")
+    add_option(parser, "--kv-memory-fraction", type=float, default=0.9,
+               help="share of the GPU memory free after the weights load that the KV cache takes (without "
+                    "--kv-memory); the rest is left for activations")
+    add_option(parser, "--block-size", type=int, default=16,
+               help="tokens per KV block; the flash attention backend needs a multiple of 256")
+    add_option(parser, "--max-num-seqs", type=int, default=64, help="most sequences in one iteration")
     add_option(parser, "--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
                help="token budget of one iteration")
     add_option(parser, "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="largest prompt chunk in one iteration")
@@ -158,8 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     internal_auth.add_arguments(parser)
 
 
-def _scheduler_address(text: str) -> str | None:
-    return None if text.strip().lower() in ("", "none") else parse_address(text)
+def _scheduler_addresses(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() in ("", "none") else tuple(parse_address(item) for item in parse_list(text))
 
 
 def main(args: argparse.Namespace, spec: RoleSpec) -> int:
@@ -280,12 +294,12 @@ async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Fu
         model=model_name(model_dir),
         device=config.device,
     )
-    scheduler = channels.get(config.scheduler) if config.scheduler else None
-    runtime = WorkerRuntime(engine, identity, scheduler, channels.metadata, ServiceMetrics(identity.model, address),
+    schedulers = [channels.get(address) for address in config.scheduler]
+    runtime = WorkerRuntime(engine, identity, schedulers, channels.metadata, ServiceMetrics(identity.model, address),
                             report_blocks=spec.report_blocks)
     loaded.set_result(runtime)
     log.info("model %s loaded: %d KV blocks of %d tokens; registering with %s", identity.model,
-             engine.blocks.num_blocks, engine.blocks.block_size, config.scheduler or "no scheduler (standalone)")
+             engine.blocks.num_blocks, engine.blocks.block_size, ",".join(config.scheduler) or "no scheduler (standalone)")
     await runtime.start()
     return runtime
 

@@ -1,0 +1,78 @@
+"""Two scheduler replicas sharing Redis, with simulated workers that register with and report to
+both: a replica SIGKILLed while requests stream loses none of them (each completes token-exact from
+its worker), and the requests after it are placed by the replica left."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.worker.sim_engine import sim_token
+from tests.mesh import collect, greedy_request
+from tests.redis_fixture import RedisServer
+from tests.sim_cluster import SimCluster, SimSpec
+from tests.waiting import wait_until
+from tandem.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+VOCAB = 49152  # the default model's
+MAX_TOKENS = 60
+NUM_REQUESTS = 6
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens, previous = [], prompt[-1]
+    for position in range(len(prompt), len(prompt) + max_tokens):
+        previous = sim_token(previous, position, VOCAB)
+        tokens.append(previous)
+    return tokens
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_server: RedisServer, default_model_dir: Path) -> Iterator[SimCluster]:
+    spec = SimSpec(role="colocated", count=2, step_ms=40.0, kv_blocks=256)
+    cluster = SimCluster.start(tmp_path, [spec], redis_url=redis_server.url, schedulers=2, model=default_model_dir)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def generate(cluster: SimCluster, prompt: list[int], max_tokens: int) -> list[int]:
+    with grpc.insecure_channel(cluster.gateway) as channel:
+        stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(greedy_request(prompt, max_tokens), timeout=60)
+        token_ids, messages = collect(stream)
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    return token_ids
+
+
+def running(cluster: SimCluster) -> int:
+    total = 0
+    for address in cluster.workers.values():
+        with grpc.insecure_channel(address) as channel:
+            total += worker_pb2_grpc.ColocatedServiceStub(channel).Stats(
+                worker_pb2.WorkerStatsRequest(), timeout=5, metadata=cluster.metadata).running
+    return total
+
+
+def test_a_scheduler_killed_under_load_loses_no_placed_request_and_the_other_takes_new_ones(
+        cluster: SimCluster) -> None:
+    prompts = [[200 + i, *range(300, 330)] for i in range(NUM_REQUESTS)]
+    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        futures = [pool.submit(generate, cluster, prompt, MAX_TOKENS) for prompt in prompts]
+        wait_until(lambda: running(cluster) == NUM_REQUESTS, "every request running on the sim workers")
+        os.kill(cluster.pid("scheduler"), signal.SIGKILL)
+        results = [future.result(timeout=90) for future in futures]
+    assert results == [expected_tokens(prompt, MAX_TOKENS) for prompt in prompts]
+
+    after = [[400 + i, *range(500, 520)] for i in range(4)]
+    assert [generate(cluster, prompt, 5) for prompt in after] == [expected_tokens(p, 5) for p in after]
+    with grpc.insecure_channel(cluster.schedulers[1]) as channel:
+        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
+            scheduler_pb2.SchedulerStatsRequest(recent_routes=4), timeout=10, metadata=cluster.metadata)
+    assert len(stats.recent_routes) == 4
