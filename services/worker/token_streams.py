@@ -7,7 +7,8 @@ prefill worker's Prefill call, a decode worker's KV, are still on their way). Ev
 stream until they are read; a request opened here that nobody attaches to within `attach_s` is
 given up (`on_abandoned` aborts it), and so is one whose reader leaves before its last event. The
 last event is the final one, or output token 0 on a worker that hands the request on after it
-(a prefill worker). `drop` ends a stream with UNAVAILABLE when the worker drops its request.
+(a prefill worker). Events already waiting when the reader takes one go out joined in one message
+(the tokens of consecutive steps, when the reader fell behind). `drop` ends a stream with UNAVAILABLE when the worker drops its request.
 """
 
 from __future__ import annotations
@@ -82,13 +83,19 @@ class RequestStreams:
         if stream.timer is not None:
             stream.timer.cancel()
         last = False
+        held: scheduler_pb2.TokenEvent | Unavailable | None = None  # taken while coalescing, not yet sent
         try:
             while not last:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held = None
                 if isinstance(item, Unavailable):
                     last = True
                     raise item
-                last = _is_last(item, stream.hands_on)
+                while not (last := _is_last(item, stream.hands_on)) and not stream.queue.empty():
+                    held = stream.queue.get_nowait()
+                    if not _follows(item, held):
+                        break
+                    item, held = _joined(item, held), None
                 yield item
         finally:
             self._forget(request_id, stream)
@@ -106,6 +113,22 @@ class RequestStreams:
             del self._streams[request_id]
         if stream.timer is not None:
             stream.timer.cancel()
+
+
+def _follows(event: scheduler_pb2.TokenEvent, after: scheduler_pb2.TokenEvent | Unavailable) -> bool:
+    """Whether `after` carries the tokens right after `event`'s, from the same worker, logprobs alike."""
+    return (isinstance(after, scheduler_pb2.TokenEvent) and after.worker_id == event.worker_id
+            and after.output_offset == event.output_offset + len(event.token_ids)
+            and bool(after.logprobs) == bool(event.logprobs))
+
+
+def _joined(event: scheduler_pb2.TokenEvent, after: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+    """One event for two consecutive ones (a copy: the worker's own events stay as they were)."""
+    joined = scheduler_pb2.TokenEvent()
+    joined.CopyFrom(event)
+    joined.MergeFrom(after)  # tokens and logprobs appended; finish reason, usage, error, timings the later's
+    joined.output_offset = event.output_offset
+    return joined
 
 
 def _is_last(event: scheduler_pb2.TokenEvent, hands_on: bool) -> bool:

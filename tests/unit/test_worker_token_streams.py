@@ -1,7 +1,8 @@
 """A worker's request token streams: events wait for the gateway that reads them, whichever comes
 first (the request or the reader); a prefill worker's stream ends at output token 0; a request
 nobody reads within the bound, or whose reader leaves early, is given up; a dropped request ends
-its reader with UNAVAILABLE."""
+its reader with UNAVAILABLE; events waiting for the reader go out joined, never across a gap, a
+worker or a drop."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def event(offset: int, token: int, finish: int = 0) -> scheduler_pb2.TokenEvent:
     return scheduler_pb2.TokenEvent(request_id="r", output_offset=offset, token_ids=[token], finish_reason=finish)
 
 
-async def read(streams: RequestStreams) -> list[tuple[int, int]]:
-    return [(e.output_offset, e.token_ids[0]) async for e in streams.follow("r")]
+async def read(streams: RequestStreams) -> list[tuple[int, list[int]]]:
+    return [(e.output_offset, list(e.token_ids)) async for e in streams.follow("r")]
 
 
 async def test_events_before_the_reader_attaches_wait_for_it_up_to_the_final_one() -> None:
@@ -30,7 +31,7 @@ async def test_events_before_the_reader_attaches_wait_for_it_up_to_the_final_one
     streams.open("r")
     streams.push(event(0, 10))
     streams.push(event(1, 11, finish=LENGTH))
-    assert await read(streams) == [(0, 10), (1, 11)]
+    assert await read(streams) == [(0, [10, 11])]  # waiting events go out joined
     assert "r" not in streams and abandoned == []
 
 
@@ -42,7 +43,7 @@ async def test_a_reader_may_attach_before_the_worker_takes_the_request() -> None
     streams.push(event(0, 9))  # the reader made the stream, so it holds events before the request is opened
     streams.open("r")
     streams.push(event(1, 10, finish=LENGTH))
-    assert await asyncio.wait_for(reader, 5) == [(0, 9), (1, 10)]
+    assert await asyncio.wait_for(reader, 5) == [(0, [9, 10])]
     assert abandoned == []
 
 
@@ -50,7 +51,7 @@ async def test_a_prefill_workers_stream_ends_at_output_token_0() -> None:
     streams = RequestStreams(lambda r: None)
     streams.open("r", hands_on=True)
     streams.push(event(0, 7))
-    assert await read(streams) == [(0, 7)]
+    assert await read(streams) == [(0, [7])]
     streams.push(event(1, 8))  # nothing is held any more
     assert "r" not in streams
 
@@ -116,3 +117,39 @@ async def test_attached_says_whether_a_gateway_reads_the_request_now():
     assert streams.attached("r1")
     await reader.aclose()
     assert not streams.attached("r1")
+
+
+async def test_waiting_events_are_joined_up_to_the_last_but_never_across_a_gap_or_a_drop() -> None:
+    streams = RequestStreams(lambda r: None)
+    streams.open("r")
+    first = event(0, 10)
+    streams.push(first)
+    streams.push(event(1, 11))
+    streams.push(event(3, 13))  # a gap: its own message
+    streams.push(event(4, 14, finish=LENGTH))
+    streams.push(event(5, 15))  # after the final event: never read
+    assert await read(streams) == [(0, [10, 11]), (3, [13, 14])]
+    assert list(first.token_ids) == [10]  # the worker's own event is left as it was
+
+    streams.open("r")
+    streams.push(event(0, 20))
+    streams.push(event(1, 21))
+    streams.drop("r", "aborted")
+    seen: list[tuple[int, list[int]]] = []
+    with pytest.raises(Unavailable, match="request r was dropped by this worker: aborted"):
+        async for e in streams.follow("r"):
+            seen.append((e.output_offset, list(e.token_ids)))
+    assert seen == [(0, [20, 21])]
+
+
+async def test_a_joined_event_takes_the_final_events_reason_and_usage() -> None:
+    streams = RequestStreams(lambda r: None)
+    streams.open("r")
+    streams.push(event(0, 10))
+    final = event(1, 11, finish=LENGTH)
+    final.usage.completion_tokens = 2
+    streams.push(final)
+    events = [e async for e in streams.follow("r")]
+    assert len(events) == 1
+    assert (events[0].output_offset, list(events[0].token_ids)) == (0, [10, 11])
+    assert events[0].finish_reason == LENGTH and events[0].usage.completion_tokens == 2
