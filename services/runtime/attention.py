@@ -2,16 +2,21 @@
 
 A step's tokens arrive flattened: decode tokens first (one per sequence), then each prompt
 chunk. `BatchMetadata` says where each segment's tokens sit and which blocks hold its context.
-The torch backend (CPU and CUDA) uses SDPA; flash-attn is used on CUDA when it imports.
+The torch backend (CPU and CUDA) uses SDPA; flash-attn is used on CUDA when it imports and the
+block size suits its paged kernel. The SDPA fallback on CUDA is logged, with the reason, once.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged kernel takes pages of a multiple of this many slots
 
 
 @dataclass(slots=True)
@@ -128,7 +133,8 @@ def _offset_causal_mask(q_len: int, context_len: int, device: torch.device) -> t
 
 
 class FlashAttention:
-    """flash-attn's paged varlen kernel on CUDA; chosen automatically when it imports."""
+    """flash-attn's paged kernel for decode-only steps on CUDA (blocks of a multiple of
+    FLASH_PAGE_MULTIPLE slots, checked by `select_backend`); steps with prompt chunks use SDPA."""
 
     name = "flash"
 
@@ -137,10 +143,14 @@ class FlashAttention:
 
         self._with_kvcache = flash_attn_with_kvcache
         self._torch = TorchAttention()
+        self._prefill_fallback_logged = False
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        # flash-attn's paged kernel takes pages of a multiple of 256 slots; smaller blocks use SDPA.
-        if meta.prefills or not meta.num_decode_tokens or k_cache.shape[1] % 256:
+        if meta.prefills or not meta.num_decode_tokens:
+            if not self._prefill_fallback_logged:
+                log.warning("attention: steps with prompt chunks use torch SDPA on CUDA (no paged varlen "
+                            "flash-attn path yet); decode-only steps use flash-attn")
+                self._prefill_fallback_logged = True
             return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self._with_kvcache(
@@ -152,17 +162,32 @@ class FlashAttention:
         return out.squeeze(1)
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` takes flash-attn on CUDA when it imports, else torch SDPA."""
+def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    """`auto` takes flash-attn on CUDA when it imports and `block_size` suits its paged kernel, else
+    torch SDPA (logged once, with the reason, when on CUDA). ValueError names the flag to fix."""
     if name not in ("auto", "torch", "flash"):
         raise ValueError(f"attention backend {name!r} is unknown; use auto, torch or flash")
+    if block_size < 1:
+        raise ValueError(f"--block-size {block_size} must be at least 1")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
     if device.type != "cuda":
         raise ValueError("the flash attention backend needs a CUDA device; use --attention torch on CPU")
+    if block_size % FLASH_PAGE_MULTIPLE:
+        if name == "flash":
+            raise ValueError(f"the flash attention backend needs --block-size a multiple of {FLASH_PAGE_MULTIPLE} "
+                             f"(flash-attn's paged kernel), not {block_size}; use --block-size "
+                             f"{FLASH_PAGE_MULTIPLE} or --attention torch")
+        return _sdpa_on_cuda(f"--block-size {block_size} is not a multiple of {FLASH_PAGE_MULTIPLE}, which "
+                             "flash-attn's paged kernel needs")
     try:
         return FlashAttention()
     except ImportError:
         if name == "flash":
             raise ValueError("flash-attn is not importable; install flash-attn or use --attention torch") from None
-        return TorchAttention()
+        return _sdpa_on_cuda("flash-attn is not importable")
+
+
+def _sdpa_on_cuda(reason: str) -> TorchAttention:
+    log.warning("attention: torch SDPA on CUDA, not flash-attn: %s", reason)
+    return TorchAttention()

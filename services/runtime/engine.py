@@ -20,7 +20,7 @@ from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk,
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.grammar import GrammarCompiler
-from services.runtime.kv_cache import PagedKVCache
+from services.runtime.kv_cache import PagedKVCache, kv_memory_budget
 from services.runtime.lora import LoraManager
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
@@ -33,7 +33,8 @@ from services.runtime.sequence import FinishReason, Sequence, SequenceStatus
 class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_memory_bytes: int = 1 << 30
+    kv_memory_bytes: int | None = 1 << 30  # None: kv_cache.kv_memory_budget sizes it from the device
+    kv_memory_fraction: float = 0.9  # of the GPU memory free after the weights, when kv_memory_bytes is None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     chunk_size: int | None = None
@@ -84,7 +85,8 @@ class Engine:
         self.model = model
         self.model_config = model.config
         num_blocks = config.num_kv_blocks or PagedKVCache.blocks_for_budget(
-            model.config, config.kv_memory_bytes, config.block_size, config.dtype
+            model.config, kv_memory_budget(config.kv_memory_bytes, config.kv_memory_fraction, model.device),
+            config.block_size, config.dtype
         )
         self.cache = PagedKVCache(model.config, num_blocks, config.block_size, config.dtype, model.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
@@ -110,7 +112,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
-        backend = select_backend(config.attention_backend, device)
+        backend = select_backend(config.attention_backend, device, config.block_size)
         model = CausalLM.from_model_dir(model_dir, backend, config.precision, device)
         grammars = GrammarCompiler(Path(model_dir), model.config.vocab_size, model.config.eos_token_ids)
         loras = LoraManager(lora_sources, config.max_loras, model.config, config.dtype, device) if lora_sources else None
