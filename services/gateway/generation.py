@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 _RETRY_START_S = 0.1  # no scheduler could be reached before placement: first pause before the next round
 _RETRY_MAX_S = 1.0
+# Stop submitting again while this much of the deadline is left, so the client hears UNAVAILABLE
+# (retryable, with the reason) rather than its own DEADLINE_EXCEEDED on a loaded machine.
+_ANSWER_RESERVE_S = 0.5
 _SETTLE_S = 2.0  # the longest the end of a finished request waits for the scheduler to count it
 
 
@@ -143,7 +146,7 @@ class Generation:
                 self._turn += 1
                 if unreached % self._upstream.num_schedulers:
                     continue
-                if self._remaining() <= backoff:
+                if self._remaining() <= backoff + _ANSWER_RESERVE_S:
                     raise
                 log.info("request %s: no scheduler can be reached (%s); submitting again in %.1f s",
                          self.request_id, exc.details(), backoff)
