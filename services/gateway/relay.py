@@ -11,7 +11,8 @@ A request whose worker was lost may go on elsewhere (the scheduler's migration.p
 events, whose gap will never fill, and makes events() raise Interrupted after what was delivered.
 The continuation's worker numbers its outputs from 0, so from then on every pushed event is
 shifted by `base`, the tokens delivered before the interruption; `tokens` keeps them all, and
-`restate_usage` counts them as output again in the final usage.
+`restate_usage` counts them as output again in the final usage. Tokens delivered while the reader
+has not yet taken the previous event join that event (one chunk for the client, not one per token).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Relay:
         self.tokens: list[int] = []
         self._held: dict[int, TokenEvent] = {}
         self._ready: asyncio.Queue[TokenEvent | TandemError | Interrupted] = asyncio.Queue()
+        self._unread: TokenEvent | None = None  # the last event queued, while events() has not taken it
         self.closed = False
 
     def push(self, event: TokenEvent) -> None:
@@ -76,6 +78,7 @@ class Relay:
             return
         self._held.clear()
         self.base = self.next_offset
+        self._unread = None
         self._ready.put_nowait(Interrupted(error, self.next_offset))
 
     def finish(self, reason: int, worker_id: str = "") -> None:
@@ -95,6 +98,8 @@ class Relay:
                     f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
             if isinstance(item, (TandemError, Interrupted)):
                 raise item
+            if item is self._unread:
+                self._unread = None
             yield item
             if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 return
@@ -114,8 +119,13 @@ class Relay:
         self.tokens.extend(event.token_ids)
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._close(event)
+        elif (unread := self._unread) is not None and _joinable(unread, event):
+            unread.token_ids.extend(event.token_ids)  # the reader fell behind: one event for both
+            unread.logprobs.extend(event.logprobs)
+            unread.timings.MergeFrom(event.timings)
         else:
             self._ready.put_nowait(event)
+            self._unread = event
 
     def _end_at_once(self, event: TokenEvent) -> None:
         final = TokenEvent(request_id=self.request_id, output_offset=self.next_offset,
@@ -126,7 +136,13 @@ class Relay:
     def _close(self, last: TokenEvent | TandemError) -> None:
         self.closed = True
         self._held.clear()
+        self._unread = None
         self._ready.put_nowait(last)
+
+
+def _joinable(unread: TokenEvent, event: TokenEvent) -> bool:
+    """Whether `event` (next at the cursor) may join the event still waiting for the reader."""
+    return unread.worker_id == event.worker_id and bool(unread.logprobs) == bool(event.logprobs)
 
 
 def restate_usage(usage: common_pb2.Usage, prompt_tokens: int, completion_tokens: int) -> None:

@@ -29,8 +29,25 @@ async def test_out_of_order_events_are_delivered_in_output_order() -> None:
     relay.push(event(1, 20, 30))
     assert relay.next_offset == 0
     relay.push(event(0, 10, worker="p-0"))  # the prefill worker's first token, last to arrive
-    assert await drain(relay) == [(0, [10], 0), (1, [20, 30], 0), (3, [40, 50], 0), (5, [60], STOP)]
+    # tokens from the same worker the reader has not taken yet join one event; the final one stays its own
+    assert await drain(relay) == [(0, [10], 0), (1, [20, 30, 40, 50], 0), (5, [60], STOP)]
     assert relay.closed and relay.next_offset == 6
+
+
+async def test_an_event_the_reader_took_is_never_joined_and_an_interrupt_ends_joining() -> None:
+    relay = Relay("r")
+    events = relay.events(lambda: 5.0)
+    relay.push(event(0, 10))
+    assert list((await anext(events)).token_ids) == [10]
+    relay.push(event(1, 20))
+    relay.push(event(2, 30))
+    relay.interrupt(Unavailable("worker d-0 was lost"))
+    relay.push(event(0, 40))  # the continuation numbers from 0: shifted by the 3 delivered
+    relay.push(event(1, 50, finish=STOP))
+    assert list((await anext(events)).token_ids) == [20, 30]
+    with pytest.raises(Exception, match="worker d-0 was lost"):
+        await anext(events)
+    assert await drain(relay) == [(3, [40], 0), (4, [50], STOP)]
 
 
 async def test_held_events_behind_a_final_one_are_dropped() -> None:
