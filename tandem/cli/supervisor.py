@@ -45,7 +45,7 @@ class Child:
     log_path: Path
     ready: Callable[[], bool]
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    env: dict[str, str] = field(default_factory=dict, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # the child's own, over the launcher's
 
     @property
     def pid(self) -> int:
@@ -53,7 +53,7 @@ class Child:
         return self.process.pid
 
     def start(self, env: dict[str, str]) -> None:
-        self.env = env
+        self.env = {**env, **self.env}
         self._spawn("wb")
 
     def restart(self) -> None:

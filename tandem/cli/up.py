@@ -152,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"tandem up: precision {_precision(config, model_dir)}", file=sys.stderr, flush=True)
+        for device in _devices(config.device, sum(config.worker_counts().values())):
+            _device_env(device)  # a GPU CUDA_VISIBLE_DEVICES hides fails here, before any service starts
     except ValueError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
@@ -297,12 +299,13 @@ class LocalSystem:
         for role, count in counts.items():
             for index in range(count):
                 port, metrics_port = self._free_port(), self._free_port()
+                device, env = _device_env(devices[len(children)])
                 flags = ["--advertise", self._address(port), "--scheduler", scheduler, "--model",
-                         str(self.model_dir), "--threads", str(threads), "--device", devices[len(children)],
+                         str(self.model_dir), "--threads", str(threads), "--device", device,
                          "--dtype", self.config.dtype, "--quantization", self.config.quantization,
                          "--metrics-port", str(metrics_port)]
                 ready = _registered_and_serving(self._address(port), scheduler, self.token)
-                children.append(self._service(f"{role}-{index}", role, port, flags, ready))
+                children.append(self._service(f"{role}-{index}", role, port, flags, ready, env))
                 ports.append((port, metrics_port))
         self._start_tier(children, stop)
         for child, (port, metrics_port) in zip(children, ports):
@@ -319,11 +322,12 @@ class LocalSystem:
         self.endpoints.append(Endpoint("gateway", "metrics", f"http://{self._address(http_port)}/metrics"))
 
     def _service(self, name: str, command: str, port: int, flags: list[str],
-                 ready: Callable[[], bool] | None = None) -> Child:
-        """A `tandem <command>` child listening on port, ready (by default) when its health says SERVING."""
+                 ready: Callable[[], bool] | None = None, env: dict[str, str] | None = None) -> Child:
+        """A `tandem <command>` child listening on port, ready (by default) when its health says SERVING;
+        `env` is laid over the launcher's environment."""
         argv = [sys.executable, "-m", "tandem.cli", command, "--host", self.config.host, "--port", str(port), *flags]
         address = self._address(port)
-        return Child(name, argv, self.logs / f"{name}.log", ready or (lambda: _serving(address)))
+        return Child(name, argv, self.logs / f"{name}.log", ready or (lambda: _serving(address)), env=env or {})
 
     def _start_tier(self, children: list[Child], stop: threading.Event) -> None:
         self.tiers.append(children)
@@ -401,6 +405,25 @@ def _devices(device: str, count: int) -> list[str]:
         return [device] * count
     gpus = _gpu_count()
     return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
+
+
+def _device_env(device: str) -> tuple[str, dict[str, str]]:
+    """A worker's --device and its own environment: a worker on cuda:N sees only that GPU, as cuda:0,
+    through CUDA_VISIBLE_DEVICES (N indexes the launcher's own CUDA_VISIBLE_DEVICES when that is set)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device, {}
+    if index and not index.isdigit():
+        raise ValueError(f"--device {device}: use cpu, cuda, cuda:N (N a GPU number) or auto")
+    number = int(index or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(number)}
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    if number >= len(ids):
+        raise ValueError(f"--device {device}: CUDA_VISIBLE_DEVICES={visible!r} shows {len(ids)} GPU(s); "
+                         f"pick one of cuda:0..cuda:{len(ids) - 1} or unset CUDA_VISIBLE_DEVICES")
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": ids[number]}
 
 
 def _gpu_count() -> int:

@@ -23,7 +23,7 @@ import pytest
 
 from services.common.health_cli import check
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
-from tandem.cli.up import Endpoint, _devices
+from tandem.cli.up import Endpoint, _device_env, _devices
 
 REPO = Path(__file__).resolve().parents[2]
 # A `services` package that puts stand-ins for scheduler, prefill and decode in front of the real
@@ -331,3 +331,30 @@ def test_up_says_how_long_each_service_took_to_come_up(fakes, model_dir):
     assert [(words[3], words[8].rstrip(")")) for words in started] == [
         (name, pids[name]) for name in ("scheduler", "prefill-0", "decode-0", "gateway")]
     assert all(words[4] == "in" and float(words[5]) >= 0 and words[6:7] == ["s"] for words in started)
+
+
+def test_each_gpu_worker_sees_only_its_gpu(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _device_env("cpu") == ("cpu", {})
+    assert _device_env("cuda:1") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert _device_env("cuda") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "0"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")  # N indexes the launcher's own visible GPUs
+    assert [_device_env(device) for device in _devices("auto", 3)] == [
+        ("cuda:0", {"CUDA_VISIBLE_DEVICES": "4"}), ("cuda:0", {"CUDA_VISIBLE_DEVICES": "6"}),
+        ("cuda:0", {"CUDA_VISIBLE_DEVICES": "4"})]
+    with pytest.raises(ValueError) as raised:
+        _device_env("cuda:2")
+    assert str(raised.value) == ("--device cuda:2: CUDA_VISIBLE_DEVICES='4, 6' shows 2 GPU(s); pick one of "
+                                 "cuda:0..cuda:1 or unset CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match=r"^--device cuda:x: use cpu, cuda, cuda:N \(N a GPU number\) or auto$"):
+        _device_env("cuda:x")
+
+
+def test_a_child_runs_with_its_own_environment_over_the_launchers(tmp_path):
+    script = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['TANDEM_X'])"
+    child = Child("svc", [sys.executable, "-c", script], tmp_path / "svc.log", ready=lambda: True,
+                  env={"CUDA_VISIBLE_DEVICES": "3"})
+    child.start({**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3", "TANDEM_X": "x"})
+    wait_for(lambda: child.exit_code() is not None)
+    assert child.exit_code() == 0
+    assert (tmp_path / "svc.log").read_text() == "3 x\n"
