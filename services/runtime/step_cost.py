@@ -39,15 +39,22 @@ class StepSample:
 
 class StepCostFit:
     """The cost model over the last `window` steps; `fit()` is None until the steps vary enough
-    (at least `min_samples` of them, and both token counts not constant) to tell the terms apart."""
+    (at least `min_samples` of them, and both token counts not constant) to tell the terms apart.
+    The first `warmup` steps are not recorded: they pay one-time costs (first touch of the KV pool,
+    kernel selection) that took a fresh CPU worker's fitted fixed cost to 900 ms."""
 
-    def __init__(self, window: int = 256, min_samples: int = 16) -> None:
-        if min_samples < 3 or window < min_samples:
-            raise ValueError(f"need window >= min_samples >= 3 steps, got window={window}, min_samples={min_samples}")
+    def __init__(self, window: int = 256, min_samples: int = 16, warmup: int = 8) -> None:
+        if min_samples < 3 or window < min_samples or warmup < 0:
+            raise ValueError(f"need window >= min_samples >= 3 steps and warmup >= 0, got window={window}, "
+                             f"min_samples={min_samples}, warmup={warmup}")
         self._samples: deque[StepSample] = deque(maxlen=window)
         self._min_samples = min_samples
+        self._skip = warmup
 
     def record(self, new_tokens: int, context_tokens: int, ms: float) -> None:
+        if self._skip > 0:
+            self._skip -= 1
+            return
         self._samples.append(StepSample(new_tokens, context_tokens, ms))
 
     def fit(self) -> StepCost | None:

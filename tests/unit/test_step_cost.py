@@ -7,7 +7,9 @@ from services.runtime.step_cost import StepCost, StepCostFit
 
 def test_fit_recovers_exact_coefficients() -> None:
     truth = StepCost(fixed_ms=12.0, per_token_ms=0.25, per_context_token_ms=0.002)
-    fit = StepCostFit(window=64, min_samples=16)
+    fit = StepCostFit(window=64, min_samples=16, warmup=2)
+    fit.record(1, 1, 5000.0)  # warm-up steps: left out
+    fit.record(9, 9, 7000.0)
     for i in range(20):
         new, context = 1 + 7 * i, 100 + 313 * (i % 5)
         fit.record(new, context, truth.step_ms(new, context))
@@ -39,5 +41,5 @@ def test_negative_term_is_dropped_and_the_rest_refitted() -> None:
 
 
 def test_window_smaller_than_min_samples_is_refused() -> None:
-    with pytest.raises(ValueError, match="window >= min_samples >= 3"):
+    with pytest.raises(ValueError, match="need window >= min_samples >= 3 steps and warmup >= 0"):
         StepCostFit(window=4, min_samples=8)
