@@ -21,6 +21,8 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Candidate, Score, blocks_for, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
 
+RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, routing span), best first
+
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
@@ -38,15 +40,17 @@ class RoutePlan:
         return scheduler_pb2.RouteInfo(
             request_id=request_id, prefill_worker_id=prefill.worker_id, decode_worker_id=decode_worker_id,
             matched_prefix_blocks=prefill.cached_blocks, reserved_blocks=reserved_blocks,
-            prefill_scores=[s.to_pb() for s in self.prefill], decode_scores=[s.to_pb() for s in self.decode],
+            prefill_scores=[s.to_pb() for s in self.prefill[:RECORDED_SCORES]],
+            decode_scores=[s.to_pb() for s in self.decode[:RECORDED_SCORES]],
             degraded=self.degraded)
 
     def scores_json(self) -> str:
-        """Every candidate's score breakdown, for the routing span."""
+        """The best candidates' score breakdowns (RECORDED_SCORES of each kind), for the routing span."""
         scores = {s.worker_id: {"cost": s.cost, "cached_blocks": s.cached_blocks,
-                                "queued_prefill_tokens": s.queued_prefill_tokens} for s in self.prefill}
+                                "queued_prefill_tokens": s.queued_prefill_tokens}
+                  for s in self.prefill[:RECORDED_SCORES]}
         scores |= {s.worker_id: {"cost": s.cost, "free_blocks": s.free_blocks, "running": s.running}
-                   for s in self.decode}
+                   for s in self.decode[:RECORDED_SCORES]}
         return json.dumps(scores)
 
 
