@@ -21,7 +21,7 @@ def test_fit_recovers_exact_coefficients() -> None:
 
 
 def test_no_fit_until_enough_varied_steps() -> None:
-    fit = StepCostFit(window=64, min_samples=16)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
     for _ in range(15):
         fit.record(4, 400, 10.0)
     assert fit.fit() is None
@@ -30,7 +30,7 @@ def test_no_fit_until_enough_varied_steps() -> None:
 
 
 def test_negative_term_is_dropped_and_the_rest_refitted() -> None:
-    fit = StepCostFit(window=64, min_samples=16)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
     for i in range(20):
         new, context = 1 + i, 50 + 37 * (i % 3)
         fit.record(new, context, 5.0 + 0.5 * new - 0.001 * context)
