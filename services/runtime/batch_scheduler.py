@@ -101,7 +101,8 @@ class IterationScheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
-        looked_up = self.limits.enable_prefix_cache and not seq.block_table
+        # A request for prompt logprobs computes its whole prompt: cached blocks have no logits.
+        looked_up = self.limits.enable_prefix_cache and not seq.block_table and seq.params.prompt_logprobs is None
         hits = self._match_prefix(seq) if looked_up else []
         seq.num_computed_tokens = len(hits) * self.blocks.block_size
         num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)

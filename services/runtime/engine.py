@@ -25,7 +25,7 @@ from services.runtime.lora import LoraManager
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner, order_for_batch
 from services.runtime.precision import Precision
-from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed
+from services.runtime.sampler import SampledToken, SampleRequest, Sampler, SamplingParams, resolve_seed, score_tokens
 from services.runtime.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -60,6 +60,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # On the first output of a request asking for them: each prompt token's after the first.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +203,8 @@ class Engine:
             self.blocks.commit(seq.block_table[index], block_hash, tokens)
 
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        first = seq.num_output_tokens == 0 and seq.params.prompt_logprobs is not None
+        prompt_logprobs = self._prompt_logprobs(seq) if first else None
         seq.token_ids.append(token.token_id)
         seq.output_logprobs.append(token)
         if seq.grammar is not None:
@@ -215,7 +219,16 @@ class Engine:
             seq.status = SequenceStatus.PREFILLED
             self.scheduler.remove(seq)
         return RequestOutput(seq.request_id, [token.token_id], [token], seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, prompt_logprobs)
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[SampledToken]:
+        """The prompt's logprobs, teacher-forced in one pass over the whole prompt (its chunks kept
+        only their last row's logits). The pass rewrites the prompt's KV into the sequence's own
+        blocks with the same tokens' values; they are its own, as such a request skips the prefix
+        cache, and no other request reads them before the next step."""
+        prompt = seq.prompt_token_ids
+        logits = self.runner.prompt_logits(prompt, seq.block_table, seq.lora)[:-1]
+        return score_tokens(logits, prompt[1:], seq.params.prompt_logprobs or 0)
 
     def _status_after(self, seq: Sequence, token_id: int) -> SequenceStatus:
         params = seq.params

@@ -37,10 +37,10 @@ class ModelRunner:
             return None
         return self.loras.batch([(c.seq.lora, c.num_new_tokens) for c in chunks])
 
-    def prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], block_ids: list[int], lora: str = "") -> torch.Tensor:
         """Logits `[len(token_ids), vocab]` at every position of one prompt computed from scratch into
-        `block_ids` (initialized already): teacher forcing, as the precision quality test scores a
-        reference continuation."""
+        `block_ids` (initialized already; under adapter `lora` if set): teacher forcing, for prompt
+        logprobs and as the precision quality test scores a reference continuation."""
         size, device, n = self.cache.block_size, self.model.device, len(token_ids)
         table = block_ids[: ceil_div(n, size)]
         meta = BatchMetadata(
@@ -50,7 +50,8 @@ class ModelRunner:
             prefills=[PrefillSegment(0, n, n, torch.tensor(table, device=device))],
             logits_indices=torch.arange(n, device=device),
         )
-        return self.model.forward(torch.tensor(token_ids, device=device), meta, self.cache)
+        loras = self.loras.batch([(lora, n)]) if self.loras is not None else None
+        return self.model.forward(torch.tensor(token_ids, device=device), meta, self.cache, loras)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMetadata]:
         size = self.cache.block_size

@@ -248,6 +248,17 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: list[Sa
     return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
 
 
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[SampledToken]:
+    """Each row's logprob of its token in `token_ids` (fp32 log_softmax of the raw logits), with
+    the `top_n` most likely alternatives: the prompt's logprobs under teacher forcing."""
+    raw = logits.float()
+    lse = torch.logsumexp(raw, dim=-1)
+    ids = torch.tensor(token_ids, device=raw.device)
+    chosen = (raw.gather(1, ids.unsqueeze(1)).squeeze(1) - lse).tolist()
+    tops = _top_logprobs(raw, lse, [top_n] * len(token_ids))
+    return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
 def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
     tops: list[list[tuple[int, float]]] = [[] for _ in counts]
     rows = [i for i, n in enumerate(counts) if n > 0]
