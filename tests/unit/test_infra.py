@@ -352,7 +352,31 @@ def test_build_context_leaves_secrets_and_the_venv_out() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     rules = [line for line in lines if line and not line.startswith("#")]
     assert rules[0] == "*"  # an allowlist: nothing enters the build context unless named
-    assert {rule for rule in rules if rule.startswith("!")} == {"!pyproject.toml", "!README.md", "!tandem/", "!services/"}
+    assert {rule for rule in rules if rule.startswith("!")} == {
+        "!pyproject.toml", "!constraints.txt", "!README.md", "!tandem/", "!services/"}
+
+
+def test_one_torch_release_for_development_and_both_images() -> None:
+    import tomllib
+
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pins = [Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    (pin,) = [req for req in pins if req.name == "torch"]
+    (release,) = [Version(spec.version) for spec in pin.specifier if spec.operator == "=="]
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (declared,) = [Requirement(dep) for dep in dependencies if Requirement(dep).name == "torch"]
+    assert release in declared.specifier, f"constraints.txt's torch {release} is outside pyproject's {declared}"
+    assert Version(torch.__version__).public == str(release), "the venv's torch is not constraints.txt's"
+    for dockerfile in DOCKERFILES:
+        text = dockerfile.read_text()
+        installs = [line for line in text.splitlines() if "pip install" in line]
+        assert installs and all("-c " in line or "--no-deps" in line for line in installs), dockerfile.name
+        assert "torch==" not in text, f"{dockerfile.name} pins torch itself; constraints.txt does"
+    assert "torch==" not in (ROOT / "Makefile").read_text(), "the Makefile pins torch itself; constraints.txt does"
 
 
 # --- Monitoring: Prometheus and Grafana ---------------------------------------------------------
