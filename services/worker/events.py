@@ -66,6 +66,16 @@ def _batch(step: StepResult, events: list[scheduler_pb2.TokenEvent]) -> schedule
     return scheduler_pb2.TokenBatch(iteration=step.iteration, events=events, batch_size=step.batch_size)
 
 
+def _without_prompt_logprobs(event: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+    """The event as the scheduler gets it: the prompt's logprobs are the client's alone."""
+    if not event.prompt_logprobs:
+        return event
+    reported = scheduler_pb2.TokenEvent()
+    reported.CopyFrom(event)
+    reported.ClearField("prompt_logprobs")
+    return reported
+
+
 class TokenBatcher:
     """Tracks requests and builds one TokenBatch per StepResult for them."""
 
@@ -97,7 +107,7 @@ class TokenBatcher:
             final = is_final(output.finish_reason)
             if final or not tracked.reported:
                 tracked.reported = True
-                report.append(event)
+                report.append(_without_prompt_logprobs(event))
             if final:
                 self.forget(output.request_id)
         return StepEvents(events, _batch(step, report) if report else None)
@@ -122,6 +132,9 @@ class TokenBatcher:
         if tracked.logprobs:
             event.logprobs.extend(logprob_to_proto(s.token_id, s.logprob, s.top_logprobs)
                                   for s in output.new_logprobs)
+        if output.prompt_logprobs is not None:
+            event.prompt_logprobs.extend(logprob_to_proto(s.token_id, s.logprob, s.top_logprobs)
+                                         for s in output.prompt_logprobs)
         if tracked.first_token_ns is None:
             tracked.first_token_ns = now_ns
         if offset == 0:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf0\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x10\n\x08trace_id\x18\x07 \x01(\t\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x08 \x03(\x05\x12\x11\n\tmigration\x18\t \x01(\x05\x12\x0c\n\x04lora\x18\n \x01(\t\"h\n\x0bSubmitEvent\x12)\n\tplacement\x18\x01 \x01(\x0b\x32\x14.tandem.v1.PlacementH\x00\x12&\n\x04lost\x18\x02 \x01(\x0b\x32\x16.tandem.v1.AttemptLostH\x00\x42\x06\n\x04kind\"\xd0\x01\n\tPlacement\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x1b\n\x13generator_worker_id\x18\x02 \x01(\t\x12\x19\n\x11generator_address\x18\x03 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12#\n\x05route\x18\x06 \x01(\x0b\x32\x14.tandem.v1.RouteInfo\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\"0\n\x0b\x41ttemptLost\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb3\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\routput_offset\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.tandem.v1.RequestError\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x11\n\tworker_id\x18\t \x01(\tJ\x04\x08\n\x10\x0b\"\x8a\x01\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ost\x18\x02 \x01(\x01\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\"\xfd\x01\n\tRouteInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1d\n\x15matched_prefix_blocks\x18\x04 \x01(\x05\x12\x17\n\x0freserved_blocks\x18\x05 \x01(\x05\x12.\n\x0eprefill_scores\x18\x06 \x03(\x0b\x32\x16.tandem.v1.WorkerScore\x12-\n\rdecode_scores\x18\x07 \x03(\x0b\x32\x16.tandem.v1.WorkerScore\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\".\n\x15SchedulerStatsRequest\x12\x15\n\rrecent_routes\x18\x01 \x01(\x05\"\xa8\x02\n\x0eSchedulerStats\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x10\n\x08\x64\x65graded\x18\x04 \x01(\x08\x12\r\n\x05store\x18\x05 \x01(\t\x12(\n\x07workers\x18\x06 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x11\n\tsubmitted\x18\x07 \x01(\x03\x12\x11\n\tcompleted\x18\x08 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\t \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\x03\x12\x10\n\x08rejected\x18\x0b \x01(\x03\x12+\n\rrecent_routes\x18\x0c \x03(\x0b\x32\x14.tandem.v1.RouteInfo\x12\x10\n\x08migrated\x18\r \x01(\x03\"r\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\x12\x18\n\x10heartbeat_age_ms\x18\x03 \x01(\x01\"\xf0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\"\xbf\x01\n\nWorkerLoad\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x05\x12\x15\n\rcached_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\x05\x12+\n\tstep_cost\x18\x07 \x01(\x0b\x32\x18.tandem.v1.StepCostModel\"U\n\rStepCostModel\x12\x10\n\x08\x66ixed_ms\x18\x01 \x01(\x01\x12\x14\n\x0cper_token_ms\x18\x02 \x01(\x01\x12\x1c\n\x14per_context_token_ms\x18\x03 \x01(\x01\">\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerInfo\"p\n\x0b\x42\x61tchPolicy\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x12\n\nchunk_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x62\x61tch_window_ms\x18\x04 \x01(\x05\"\x8f\x01\n\x16RegisterWorkerResponse\x12\x18\n\x10heartbeat_ttl_ms\x18\x01 \x01(\x05\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x05\x12&\n\x06policy\x18\x03 \x01(\x0b\x32\x16.tandem.v1.BatchPolicy\x12\x14\n\x0cscheduler_id\x18\x04 \x01(\t\"J\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\"J\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12&\n\x06policy\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BatchPolicy\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"X\n\x13ReportBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\t\x12\x0f\n\x07\x65victed\x18\x03 \x03(\t\x12\r\n\x05reset\x18\x04 \x01(\x08\"\x16\n\x14ReportBlocksResponse\"m\n\nTokenBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12%\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\x1c\n\tReportAck\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x03\x32\xde\x04\n\x10SchedulerService\x12<\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x16.tandem.v1.SubmitEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x05Stats\x12 .tandem.v1.SchedulerStatsRequest\x1a\x19.tandem.v1.SchedulerStats\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.tandem.v1.HeartbeatRequest\x1a\x1c.tandem.v1.HeartbeatResponse\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponse\x12O\n\x0cReportBlocks\x12\x1e.tandem.v1.ReportBlocksRequest\x1a\x1f.tandem.v1.ReportBlocksResponse\x12=\n\x0cReportTokens\x12\x15.tandem.v1.TokenBatch\x1a\x14.tandem.v1.ReportAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf0\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x10\n\x08trace_id\x18\x07 \x01(\t\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x08 \x03(\x05\x12\x11\n\tmigration\x18\t \x01(\x05\x12\x0c\n\x04lora\x18\n \x01(\t\"h\n\x0bSubmitEvent\x12)\n\tplacement\x18\x01 \x01(\x0b\x32\x14.tandem.v1.PlacementH\x00\x12&\n\x04lost\x18\x02 \x01(\x0b\x32\x16.tandem.v1.AttemptLostH\x00\x42\x06\n\x04kind\"\xd0\x01\n\tPlacement\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x1b\n\x13generator_worker_id\x18\x02 \x01(\t\x12\x19\n\x11generator_address\x18\x03 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12#\n\x05route\x18\x06 \x01(\x0b\x32\x14.tandem.v1.RouteInfo\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\"0\n\x0b\x41ttemptLost\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xe5\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\routput_offset\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.tandem.v1.RequestError\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x30\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x17.tandem.v1.TokenLogprobJ\x04\x08\n\x10\x0b\"\x8a\x01\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ost\x18\x02 \x01(\x01\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\"\xfd\x01\n\tRouteInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x1d\n\x15matched_prefix_blocks\x18\x04 \x01(\x05\x12\x17\n\x0freserved_blocks\x18\x05 \x01(\x05\x12.\n\x0eprefill_scores\x18\x06 \x03(\x0b\x32\x16.tandem.v1.WorkerScore\x12-\n\rdecode_scores\x18\x07 \x03(\x0b\x32\x16.tandem.v1.WorkerScore\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\".\n\x15SchedulerStatsRequest\x12\x15\n\rrecent_routes\x18\x01 \x01(\x05\"\xa8\x02\n\x0eSchedulerStats\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x10\n\x08\x64\x65graded\x18\x04 \x01(\x08\x12\r\n\x05store\x18\x05 \x01(\t\x12(\n\x07workers\x18\x06 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x11\n\tsubmitted\x18\x07 \x01(\x03\x12\x11\n\tcompleted\x18\x08 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\t \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\x03\x12\x10\n\x08rejected\x18\x0b \x01(\x03\x12+\n\rrecent_routes\x18\x0c \x03(\x0b\x32\x14.tandem.v1.RouteInfo\x12\x10\n\x08migrated\x18\r \x01(\x03\"r\n\x0cWorkerStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\x12\x18\n\x10heartbeat_age_ms\x18\x03 \x01(\x01\"\xf0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\"\xbf\x01\n\nWorkerLoad\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x05\x12\x15\n\rcached_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x03\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\x05\x12+\n\tstep_cost\x18\x07 \x01(\x0b\x32\x18.tandem.v1.StepCostModel\"U\n\rStepCostModel\x12\x10\n\x08\x66ixed_ms\x18\x01 \x01(\x01\x12\x14\n\x0cper_token_ms\x18\x02 \x01(\x01\x12\x1c\n\x14per_context_token_ms\x18\x03 \x01(\x01\">\n\x15RegisterWorkerRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerInfo\"p\n\x0b\x42\x61tchPolicy\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x12\n\nchunk_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x62\x61tch_window_ms\x18\x04 \x01(\x05\"\x8f\x01\n\x16RegisterWorkerResponse\x12\x18\n\x10heartbeat_ttl_ms\x18\x01 \x01(\x05\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x05\x12&\n\x06policy\x18\x03 \x01(\x0b\x32\x16.tandem.v1.BatchPolicy\x12\x14\n\x0cscheduler_id\x18\x04 \x01(\t\"J\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\"J\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12&\n\x06policy\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BatchPolicy\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"X\n\x13ReportBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\t\x12\x0f\n\x07\x65victed\x18\x03 \x03(\t\x12\r\n\x05reset\x18\x04 \x01(\x08\"\x16\n\x14ReportBlocksResponse\"m\n\nTokenBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12%\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TokenEvent\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\x1c\n\tReportAck\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x03\x32\xde\x04\n\x10SchedulerService\x12<\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x16.tandem.v1.SubmitEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x05Stats\x12 .tandem.v1.SchedulerStatsRequest\x1a\x19.tandem.v1.SchedulerStats\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.tandem.v1.HeartbeatRequest\x1a\x1c.tandem.v1.HeartbeatResponse\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponse\x12O\n\x0cReportBlocks\x12\x1e.tandem.v1.ReportBlocksRequest\x1a\x1f.tandem.v1.ReportBlocksResponse\x12=\n\x0cReportTokens\x12\x15.tandem.v1.TokenBatch\x1a\x14.tandem.v1.ReportAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,45 +41,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTEMPTLOST']._serialized_start=624
   _globals['_ATTEMPTLOST']._serialized_end=672
   _globals['_TOKENEVENT']._serialized_start=675
-  _globals['_TOKENEVENT']._serialized_end=982
-  _globals['_WORKERSCORE']._serialized_start=985
-  _globals['_WORKERSCORE']._serialized_end=1123
-  _globals['_ROUTEINFO']._serialized_start=1126
-  _globals['_ROUTEINFO']._serialized_end=1379
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1381
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1427
-  _globals['_SCHEDULERSTATS']._serialized_start=1430
-  _globals['_SCHEDULERSTATS']._serialized_end=1726
-  _globals['_WORKERSTATUS']._serialized_start=1728
-  _globals['_WORKERSTATUS']._serialized_end=1842
-  _globals['_WORKERINFO']._serialized_start=1845
-  _globals['_WORKERINFO']._serialized_end=2085
-  _globals['_WORKERLOAD']._serialized_start=2088
-  _globals['_WORKERLOAD']._serialized_end=2279
-  _globals['_STEPCOSTMODEL']._serialized_start=2281
-  _globals['_STEPCOSTMODEL']._serialized_end=2366
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=2368
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=2430
-  _globals['_BATCHPOLICY']._serialized_start=2432
-  _globals['_BATCHPOLICY']._serialized_end=2544
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2547
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2690
-  _globals['_HEARTBEATREQUEST']._serialized_start=2692
-  _globals['_HEARTBEATREQUEST']._serialized_end=2766
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2768
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2842
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=2844
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=2888
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=2890
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2916
-  _globals['_REPORTBLOCKSREQUEST']._serialized_start=2918
-  _globals['_REPORTBLOCKSREQUEST']._serialized_end=3006
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=3008
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=3030
-  _globals['_TOKENBATCH']._serialized_start=3032
-  _globals['_TOKENBATCH']._serialized_end=3141
-  _globals['_REPORTACK']._serialized_start=3143
-  _globals['_REPORTACK']._serialized_end=3171
-  _globals['_SCHEDULERSERVICE']._serialized_start=3174
-  _globals['_SCHEDULERSERVICE']._serialized_end=3780
+  _globals['_TOKENEVENT']._serialized_end=1032
+  _globals['_WORKERSCORE']._serialized_start=1035
+  _globals['_WORKERSCORE']._serialized_end=1173
+  _globals['_ROUTEINFO']._serialized_start=1176
+  _globals['_ROUTEINFO']._serialized_end=1429
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1431
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1477
+  _globals['_SCHEDULERSTATS']._serialized_start=1480
+  _globals['_SCHEDULERSTATS']._serialized_end=1776
+  _globals['_WORKERSTATUS']._serialized_start=1778
+  _globals['_WORKERSTATUS']._serialized_end=1892
+  _globals['_WORKERINFO']._serialized_start=1895
+  _globals['_WORKERINFO']._serialized_end=2135
+  _globals['_WORKERLOAD']._serialized_start=2138
+  _globals['_WORKERLOAD']._serialized_end=2329
+  _globals['_STEPCOSTMODEL']._serialized_start=2331
+  _globals['_STEPCOSTMODEL']._serialized_end=2416
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=2418
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=2480
+  _globals['_BATCHPOLICY']._serialized_start=2482
+  _globals['_BATCHPOLICY']._serialized_end=2594
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2597
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2740
+  _globals['_HEARTBEATREQUEST']._serialized_start=2742
+  _globals['_HEARTBEATREQUEST']._serialized_end=2816
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2818
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2892
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=2894
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=2938
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=2940
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2966
+  _globals['_REPORTBLOCKSREQUEST']._serialized_start=2968
+  _globals['_REPORTBLOCKSREQUEST']._serialized_end=3056
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=3058
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=3080
+  _globals['_TOKENBATCH']._serialized_start=3082
+  _globals['_TOKENBATCH']._serialized_end=3191
+  _globals['_REPORTACK']._serialized_start=3193
+  _globals['_REPORTACK']._serialized_end=3221
+  _globals['_SCHEDULERSERVICE']._serialized_start=3224
+  _globals['_SCHEDULERSERVICE']._serialized_end=3830
 # @@protoc_insertion_point(module_scope)

@@ -68,7 +68,7 @@ class AttemptLost(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "output_offset", "token_ids", "logprobs", "finish_reason", "usage", "error", "timings", "worker_id")
+    __slots__ = ("request_id", "output_offset", "token_ids", "logprobs", "finish_reason", "usage", "error", "timings", "worker_id", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class TokenEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -87,7 +88,8 @@ class TokenEvent(_message.Message):
     error: _common_pb2.RequestError
     timings: _common_pb2.RequestTimings
     worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., output_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., output_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "cost", "cached_blocks", "queued_prefill_tokens", "free_blocks", "running")
