@@ -1,6 +1,6 @@
 """A worker's batching policy from its step-cost model and the scheduler's TTFT and ITL targets.
 
-The model (services/runtime/step_cost.py) says what a step of `n` tokens, each reading about
+The model (services/common/step_cost.py) says what a step of `n` tokens, each reading about
 `context` KV entries, costs. The running decodes go first in every step and each prompt chunk
 only takes what is left of the token budget (services/runtime/batch_scheduler.py), so a budget
 whose full step fits the ITL target keeps every colocated decode step under it, however long
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.runtime.step_cost import StepCost
+from services.common.step_cost import StepCost
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 As Dynamo's disaggregated router does, a prompt whose uncached part is short prefills where it
 will decode (no KV hand-off), and a long one goes to a prefill worker so its prefill does not
 share steps with the decode worker's running sequences. With one step-cost model
-(services/runtime/step_cost.py) both choices get an estimated time to first token:
+(services/common/step_cost.py) both choices get an estimated time to first token:
 
     local  = prefill_ms(queued prefill tokens on the decode worker) + prefill_ms(prompt - local prefix hit)
     remote = prefill_ms(queued prefill tokens on the prefill worker) + prefill_ms(prompt - remote prefix hit)
@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from services.runtime.step_cost import StepCost
+from services.common.step_cost import StepCost
 from services.scheduler.batch_policy import prefill_ms
 
 

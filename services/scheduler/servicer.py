@@ -10,7 +10,7 @@ from services.common.block_hash import BlockHash
 from services.common.errors import InvalidRequest
 from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
-from services.runtime.step_cost import StepCost
+from services.common.step_cost import StepCost
 from services.scheduler import migration
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher

@@ -23,7 +23,7 @@ from services.common.metrics import ServiceMetrics
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
-from services.runtime.step_cost import StepCost, StepCostFit
+from services.common.step_cost import StepCost, StepCostFit
 from services.worker.block_reporter import BlockReporter
 from services.worker.engine_loop import EngineLoop, StepResult
 from services.worker.events import TokenBatcher, TrackedRequest

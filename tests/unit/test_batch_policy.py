@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.runtime.step_cost import StepCost
+from services.common.step_cost import StepCost
 from services.scheduler.batch_policy import BatchPolicyNumbers, ServiceTargets, policy_for, prefill_ms, token_budget
 
 COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.runtime.step_cost import StepCost, StepCostFit
+from services.common.step_cost import StepCost, StepCostFit
 
 
 def test_fit_recovers_exact_coefficients() -> None:
