@@ -291,7 +291,7 @@ class GenerationPipeline:
                                 request.skip_special_tokens)
         return Generation(
             request_id, trace_id, prompt_token_ids, self._upstream, submit, metadata, time.monotonic() + timeout,
-            OutputAssembler(self.codec, options, len(prompt_token_ids)),
+            OutputAssembler(self.codec, options, prompt_token_ids),
             span,
             timings,
             self._metrics,

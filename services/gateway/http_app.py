@@ -166,10 +166,12 @@ class HttpBridge:
     def _shaper(self, body: Body, requests: list[GenerationRequest], response_id: str) -> ResponseShaper:
         common = (response_id, int(time.time()), self.pipeline.model.name, self._token_text)
         with_logprobs = requests[0].sampling.logprobs is not None
+        options = {"with_logprobs": with_logprobs, "n": body.num_choices,
+                   "with_prompt_logprobs": body.prompt_logprobs is not None}
         if isinstance(body, ChatCompletionRequest):
-            return ChatShaper(*common, with_logprobs=with_logprobs, n=body.num_choices, tools=body.tool_plan)
+            return ChatShaper(*common, **options, tools=body.tool_plan)
         echoes = [self._prompt_text(request) for request in requests] if body.echo else None
-        return CompletionShaper(*common, with_logprobs=with_logprobs, n=body.num_choices, echoes=echoes)
+        return CompletionShaper(*common, **options, echoes=echoes)
 
     def _prompt_text(self, request: GenerationRequest) -> str:
         if request.prompt is not None:

@@ -36,7 +36,6 @@ FieldPolicy = Inert | Refused
 
 # Fields of both endpoints: OpenAI's, then vLLM's extras that would change the output.
 SHARED_FIELDS: dict[str, FieldPolicy] = {
-    "prompt_logprobs": Refused("prompt logprobs are not computed by this server yet"),
     "use_beam_search": Refused("beam search is not supported; use n for several samples", (None, False)),
     "length_penalty": Refused("applies to beam search, which is not supported", (None, 1, 1.0)),
     "truncate_prompt_tokens": Refused("prompts are never truncated here; shorten the prompt"),

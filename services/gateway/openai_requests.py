@@ -61,6 +61,7 @@ class _GenerationBody(StructuredFields, _Body):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label; accepted, and every caller is served alike
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
 
     @property
     def num_choices(self) -> int:
@@ -77,6 +78,9 @@ class _GenerationBody(StructuredFields, _Body):
     def check_undeclared(self) -> None:
         """Refuse (InvalidRequest) the fields sent that this server does not implement; log unknown ones."""
         check_undeclared(self.model_extra or {}, self.undeclared_fields, self.endpoint)
+        if self.stream and self._prompt_logprobs() is not None:
+            raise InvalidRequest(self._prompt_logprobs_param(), "prompt logprobs are returned on whole "
+                                 "responses only; send stream: false")
 
     def generation_requests(self, request_id: str, default_salt: str, default_max_tokens: int) -> list[GenerationRequest]:
         """The pipeline's requests for this body, one per prompt."""
@@ -103,7 +107,7 @@ class _GenerationBody(StructuredFields, _Body):
             "max_tokens": self._max_tokens(), "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed, "logprobs": self._logprobs(),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
+            "repetition_penalty": self.repetition_penalty, "prompt_logprobs": self._prompt_logprobs(),
         }
         values = {name: value for name, value in sent.items() if value is not None}
         return SamplingParams(**{"max_tokens": default_max_tokens, **values},
@@ -119,6 +123,12 @@ class _GenerationBody(StructuredFields, _Body):
 
     def _logprobs(self) -> int | None:
         return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def _prompt_logprobs_param(self) -> str:
+        return "prompt_logprobs"
 
 
 class CompletionRequest(_GenerationBody):
@@ -145,9 +155,6 @@ class CompletionRequest(_GenerationBody):
         if self.best_of is not None and self.best_of != self.num_choices:
             raise InvalidRequest("best_of", f"must equal n ({self.num_choices}): every sample is returned, "
                                  "none is ranked out")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo", "with logprobs needs the prompt's logprobs, which this server does not "
-                                 "compute yet; send echo or logprobs, not both")
 
     def generation_requests(self, request_id: str, default_salt: str, default_max_tokens: int) -> list[GenerationRequest]:
         requests = []
@@ -166,6 +173,16 @@ class CompletionRequest(_GenerationBody):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs_param(self) -> str:
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "echo"
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM's prompt_logprobs, or with echo the legacy logprobs' count: the echoed prompt's
+        tokens come with their logprobs (the more alternatives of the two)."""
+        echoed = self.logprobs if self.echo else None
+        sent = [n for n in (self.prompt_logprobs, echoed) if n is not None]
+        return max(sent) if sent else None
 
 
 class TextPart(_Body):

@@ -38,10 +38,13 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: common_pb2.Usage | None = None
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None  # its prompt's, when asked (output.Chunk)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
         self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.stop_reason = stop_reason(chunk)
@@ -62,13 +65,15 @@ class ResponseShaper:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, created: int, model: str, token_text: TokenText,
-                 with_logprobs: bool, n: int = 1) -> None:
+                 with_logprobs: bool, n: int = 1, with_prompt_logprobs: bool = False) -> None:
+        """`with_prompt_logprobs`: the request sent vLLM's prompt_logprobs (returned in its shape)."""
         self.response_id = response_id
         self.created = created
         self.model = model
         self.token_text = token_text
         self.with_logprobs = with_logprobs
         self.n = n  # choices per prompt
+        self.with_prompt_logprobs = with_prompt_logprobs
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         return {**self._header(self.object_name),
@@ -98,13 +103,28 @@ class ResponseShaper:
 
     def _final_choice(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, **self._message(choice),
-                "logprobs": self._logprobs(choice.index, choice.logprobs) if self.with_logprobs else None,
+                "logprobs": self._choice_logprobs(choice) if self.with_logprobs else None,
                 "finish_reason": self._finish_reason(choice.index, choice.finish_reason),
                 "stop_reason": choice.stop_reason}
+
+    def _choice_logprobs(self, choice: Choice) -> dict[str, Any]:
+        return self._logprobs(choice.index, choice.logprobs)
 
     def _message(self, choice: Choice) -> dict[str, Any]:
         """The choice's output fields of a whole response."""
         raise NotImplementedError
+
+    def prompt_logprobs_body(self, entries: list[common_pb2.TokenLogprob] | None) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each token a map from
+        token id (as text) to its logprob and text: the prompt's token and the alternatives asked for."""
+        if not entries:
+            return []
+        body: list[dict[str, Any] | None] = [None]
+        for entry in entries[1:]:
+            pairs = [(entry.token_id, entry.logprob), *((top.token_id, top.logprob) for top in entry.top_logprobs)]
+            body.append({str(token_id): {"logprob": logprob, "decoded_token": self.token_text(token_id)}
+                         for token_id, logprob in pairs})
+        return body
 
     def _delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
         """The choice's output fields of a stream chunk; all empty when it adds nothing."""
@@ -130,6 +150,24 @@ class CompletionShaper(ResponseShaper):
         self._offsets: dict[int, int] = {}
         self._echoes = echoes
         self._echoed: set[int] = set()  # stream: the choices whose prompt text was sent
+
+    def _final_choice(self, choice: Choice) -> dict[str, Any]:
+        body = super()._final_choice(choice)
+        if self.with_prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choice.prompt_logprobs)
+        return body
+
+    def _choice_logprobs(self, choice: Choice) -> dict[str, Any]:
+        """With echo, the legacy logprobs of the echoed prompt's tokens (the first one's null, as
+        OpenAI's; offsets from the text's start) then the output's."""
+        if self._echoes is None:
+            return self._logprobs(choice.index, choice.logprobs)
+        prompt = self._logprobs(choice.index, choice.prompt_logprobs or [])
+        output = self._logprobs(choice.index, choice.logprobs)
+        if prompt["tokens"]:
+            prompt["token_logprobs"][0] = None
+            prompt["top_logprobs"][0] = None
+        return {key: prompt[key] + output[key] for key in prompt}
 
     def _message(self, choice: Choice) -> dict[str, Any]:
         return {"text": self._echo(choice.index) + choice.text}
@@ -169,6 +207,13 @@ class ChatShaper(ResponseShaper):
         super().__init__(*args, **kwargs)
         self._tools = tools
         self._readers: dict[int, ToolCallReader] = {}
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        """With prompt_logprobs, vLLM's top-level list: the choices share the one prompt."""
+        body = super().response(choices)
+        if self.with_prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choices[0].prompt_logprobs if choices else None)
+        return body
 
     def opening_chunks(self, n: int) -> list[dict[str, Any]]:
         return [{**self._header(self.chunk_object_name),

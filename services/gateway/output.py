@@ -34,6 +34,9 @@ class Chunk:
     stop_string: str | None = None
     usage: common_pb2.Usage | None = None
     timings: common_pb2.RequestTimings | None = None
+    # The first chunk of a request asking for them: one entry per prompt token, the first without a
+    # logprob (nothing precedes it).
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +56,14 @@ class OutputAssembler:
     upstream work is no longer wanted: the caller cancels it and ignores later events.
     """
 
-    def __init__(self, codec: TextCodec, options: OutputOptions, num_prompt_tokens: int) -> None:
+    def __init__(self, codec: TextCodec, options: OutputOptions, prompt_token_ids: list[int]) -> None:
         self._options = options
         self._detokenizer = codec.incremental(options.skip_special_tokens)
         self._stops = StopStringMatcher(options.stop, options.include_stop_str_in_output)
         ends = set(options.sampling.stop_token_ids)
         self._stop_token_ids = ends if options.sampling.ignore_eos else ends | set(codec.eos_token_ids)
-        self._num_prompt_tokens = num_prompt_tokens
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._first_prompt_token = prompt_token_ids[0]
         self._num_output_tokens = 0
         self._last_token_id: int | None = None
         self._cached_tokens = 0
@@ -70,6 +74,9 @@ class OutputAssembler:
         if event.HasField("usage"):
             self._cached_tokens = event.usage.cached_tokens
         chunk = Chunk([], "", timings=event.timings if event.HasField("timings") else None)
+        if event.prompt_logprobs:
+            chunk.prompt_logprobs = [common_pb2.TokenLogprob(token_id=self._first_prompt_token),
+                                     *event.prompt_logprobs]
         last = len(event.token_ids) - 1
         for index, token_id in enumerate(event.token_ids):
             shown = not (index == last and self._ends_on_stop_token(event))
@@ -78,7 +85,7 @@ class OutputAssembler:
                 return chunk
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(chunk, event)
-        return chunk if chunk.token_ids or chunk.text or chunk.finish_reason else None
+        return chunk if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs else None
 
     def _ends_on_stop_token(self, event: scheduler_pb2.TokenEvent) -> bool:
         """The event's last token is the stop token that finishes the request."""

@@ -87,7 +87,7 @@ def events(token_ids: list[int], per_event: int = 1, final: int = common_pb2.FIN
 
 
 def assemble(codec: TextCodec, token_ids: list[int], stop: tuple[str, ...], per_event: int = 1, **options):
-    assembler = OutputAssembler(codec, OutputOptions(SamplingParams(), stop, **options), num_prompt_tokens=3)
+    assembler = OutputAssembler(codec, OutputOptions(SamplingParams(), stop, **options), prompt_token_ids=[1, 2, 3])
     chunks = []
     for event in events(token_ids, per_event):
         chunk = assembler.on_event(event)
@@ -148,7 +148,7 @@ def test_held_text_that_never_completes_a_stop_string_is_sent_at_the_end(codec):
 
 def test_eos_stop_reports_the_stop_token(codec):
     ids = codec.encode("Paris.") + [2]
-    assembler = OutputAssembler(codec, OutputOptions(SamplingParams()), num_prompt_tokens=3)
+    assembler = OutputAssembler(codec, OutputOptions(SamplingParams()), prompt_token_ids=[1, 2, 3])
     chunks = [assembler.on_event(e) for e in events(ids, per_event=len(ids), final=common_pb2.FINISH_REASON_STOP)]
     assert chunks[0].text == "Paris."
     assert (chunks[0].finish_reason, chunks[0].stop_token_id) == ("stop", 2)
@@ -161,7 +161,7 @@ def test_a_stop_token_id_ends_the_text_before_it_as_in_vllm(codec, include):
     assert ids[-1] == period
     options = OutputOptions(SamplingParams(stop_token_ids=(period,)), include_stop_str_in_output=include)
     for per_event in (1, 2):
-        assembler = OutputAssembler(codec, options, num_prompt_tokens=3)
+        assembler = OutputAssembler(codec, options, prompt_token_ids=[1, 2, 3])
         chunks = [assembler.on_event(e) for e in events(ids, per_event, final=common_pb2.FINISH_REASON_STOP)]
         assert "".join(c.text for c in chunks if c) == ("Paris." if include else "Paris")
         assert [t for c in chunks if c for t in c.token_ids] == ids
@@ -171,6 +171,6 @@ def test_a_stop_token_id_ends_the_text_before_it_as_in_vllm(codec, include):
 def test_eos_text_is_not_shown_even_with_special_tokens(codec):
     ids = codec.encode("Paris") + [2]
     options = OutputOptions(SamplingParams(), skip_special_tokens=False)
-    assembler = OutputAssembler(codec, options, num_prompt_tokens=3)
+    assembler = OutputAssembler(codec, options, prompt_token_ids=[1, 2, 3])
     [chunk] = [assembler.on_event(e) for e in events(ids, len(ids), final=common_pb2.FINISH_REASON_STOP)]
     assert (chunk.text, chunk.token_ids, chunk.stop_token_id) == ("Paris", ids, 2)
