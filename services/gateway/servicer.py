@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.errors import TandemError
+from services.common.errors import InvalidRequest, TandemError
 from services.common.auth import presented_secret
 from services.common.grpc_server import remaining_timeout
 from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
@@ -25,8 +25,11 @@ from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 def request_from_proto(msg: gateway_pb2.GenerateRequest, default_salt: str = "") -> GenerationRequest:
     """The domain request; a repeated field left empty counts as not set, an empty cache_salt
-    takes the tenant's default."""
+    takes the tenant's default. InvalidRequest for prompt_logprobs, which GenerateResponse has no room for."""
     sampling = msg.sampling
+    if sampling.HasField("prompt_logprobs"):
+        raise InvalidRequest("sampling.prompt_logprobs", "prompt logprobs are returned on the HTTP door only "
+                             "(/v1/completions, /v1/chat/completions); leave it unset")
     return GenerationRequest(
         sampling=sampling_from_proto(sampling, DEFAULT_MAX_TOKENS),
         model=msg.model,

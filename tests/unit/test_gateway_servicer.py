@@ -210,6 +210,11 @@ async def test_invalid_field_fails_before_any_upstream_work(mesh):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         [r async for r in call]
     assert caught.value.details().startswith("prompt: the prompt has 9001 tokens but the model's context is 8192")
+    call = generate(channel, sampling=common_pb2.SamplingParams(prompt_logprobs=1))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("sampling.prompt_logprobs: prompt logprobs are returned on the HTTP door")
     assert scheduler.requests == []
     assert len([r async for r in generate(channel)]) > 0  # the next valid request is served
 
