@@ -288,7 +288,7 @@ class GenerationPipeline:
         )
         metadata = self._metadata(span)
         options = OutputOptions(request.sampling, request.stop, request.include_stop_str_in_output,
-                                request.skip_special_tokens)
+                                request.skip_special_tokens, request.prompt_only)
         return Generation(
             request_id, trace_id, prompt_token_ids, self._upstream, submit, metadata, time.monotonic() + timeout,
             OutputAssembler(self.codec, options, prompt_token_ids),

@@ -165,11 +165,20 @@ class CompletionRequest(_GenerationBody):
                 request.prompt = prompt
             else:
                 request.token_ids = list(prompt)
+            request.prompt_only = self._prompt_only
             requests.append(request)
         return requests
 
     def param_name(self, field_name: str) -> str:
         return "prompt" if field_name == "token_ids" else field_name
+
+    @property
+    def _prompt_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        """echo with max_tokens 0 generates one token, hidden (GenerationRequest.prompt_only)."""
+        return 1 if self._prompt_only else self.max_tokens
 
     def _logprobs(self) -> int | None:
         return self.logprobs

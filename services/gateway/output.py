@@ -47,6 +47,7 @@ class OutputOptions:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_only: bool = False  # GenerationRequest.prompt_only: no generated token is shown or counted
 
 
 class OutputAssembler:
@@ -77,6 +78,8 @@ class OutputAssembler:
         if event.prompt_logprobs:
             chunk.prompt_logprobs = [common_pb2.TokenLogprob(token_id=self._first_prompt_token),
                                      *event.prompt_logprobs]
+        if self._options.prompt_only:
+            return self._prompt_only(chunk, event)
         last = len(event.token_ids) - 1
         for index, token_id in enumerate(event.token_ids):
             shown = not (index == last and self._ends_on_stop_token(event))
@@ -86,6 +89,13 @@ class OutputAssembler:
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(chunk, event)
         return chunk if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs else None
+
+    def _prompt_only(self, chunk: Chunk, event: scheduler_pb2.TokenEvent) -> Chunk | None:
+        """The prompt's logprobs and the end, as if max_tokens were 0: the token generated for them is dropped."""
+        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._end(chunk, "length", common_pb2.Usage(prompt_tokens=self._num_prompt_tokens,
+                                                        cached_tokens=self._cached_tokens, completion_tokens=0))
+        return chunk if chunk.finish_reason or chunk.prompt_logprobs else None
 
     def _ends_on_stop_token(self, event: scheduler_pb2.TokenEvent) -> bool:
         """The event's last token is the stop token that finishes the request."""

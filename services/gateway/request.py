@@ -39,6 +39,9 @@ class GenerationRequest:
     cache_salt: str = ""
     request_id: str = ""  # empty: the gateway assigns one
     max_tokens_to_context: bool = False  # no max_tokens given: generate up to the model's context
+    # echo with max_tokens 0 (lm-eval's loglikelihood): the workers generate one token, for the
+    # prompt's logprobs, which the output hides (no tokens, finish "length", 0 completion tokens)
+    prompt_only: bool = False
     served_at: tuple[str, int] | None = None  # the door's (host, port) it came in on: the span's server.address/port
 
     @property

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.tokenizer import TextCodec
 from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper
-from tandem.v1 import common_pb2
+from services.gateway.output import OutputAssembler, OutputOptions
+from tandem.v1 import common_pb2, scheduler_pb2
 
 
 def entry(token_id: int, logprob: float = 0.0, *top: tuple[int, float]) -> common_pb2.TokenLogprob:
@@ -73,3 +75,20 @@ def test_chat_prompt_logprobs_and_a_stream_refused():
     with pytest.raises(InvalidRequest, match="whole responses only; send stream: false") as caught:
         streamed.check_undeclared()
     assert caught.value.field == "echo"
+
+
+def test_echo_with_max_tokens_0_generates_one_hidden_token(default_model_dir):
+    body = CompletionRequest.model_validate({"prompt": "Hi there", "echo": True, "max_tokens": 0, "logprobs": 1})
+    body.check_undeclared()
+    (request,) = body.generation_requests("r", "", 16)
+    assert (request.sampling.max_tokens, request.prompt_only, request.sampling.prompt_logprobs) == (1, True, 1)
+    assembler = OutputAssembler(TextCodec.from_model_dir(default_model_dir),
+                                OutputOptions(request.sampling, prompt_only=True), [5, 6])
+    first = scheduler_pb2.TokenEvent(token_ids=[9], logprobs=[entry(9, -0.5)], prompt_logprobs=[entry(6, -1.0)],
+                                     finish_reason=common_pb2.FINISH_REASON_STOP)
+    chunk = assembler.on_event(first)
+    assert (chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason) == ([], "", [], "length")
+    assert [e.token_id for e in chunk.prompt_logprobs] == [5, 6]
+    assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (2, 0)
+    unechoed = CompletionRequest.model_validate({"prompt": "Hi", "max_tokens": 0})
+    assert unechoed.generation_requests("r", "", 16)[0].prompt_only is False
