@@ -69,8 +69,8 @@ def test_known_fields_log_nothing(caplog) -> None:
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"best_of": 3}, "best_of", "best_of: must equal n (1): every sample is returned, none is ranked out"),
     ({"n": 2, "best_of": 1}, "best_of", "best_of: must equal n (2): every sample is returned, none is ranked out"),
-    ({"echo": True, "logprobs": 0}, "echo", "echo: with logprobs needs the prompt's logprobs, which this server "
-                                           "does not compute yet; send echo or logprobs, not both"),
+    ({"echo": True, "logprobs": 0, "stream": True}, "echo",
+     "echo: prompt logprobs are returned on whole responses only; send stream: false"),
 ])
 def test_completion_fields_that_do_not_fit_together(fields, param, message) -> None:
     with pytest.raises(InvalidRequest) as caught:
