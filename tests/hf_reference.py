@@ -46,20 +46,21 @@ class Reference:
     logits: list[torch.Tensor]
 
 
-def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[Reference]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     model.eval()
     references = []
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
             )
             tokens = out.sequences[0, len(ids):].tolist()
-            references.append(Reference(ids, tokens, [step[0].float() for step in out.logits]))
+            references.append(Reference(ids, tokens, [step[0].float().cpu() for step in out.logits]))
     return references
 
 
@@ -71,8 +72,8 @@ def first_divergence(got: list[int], ref: Reference) -> int | None:
     return None if len(got) == len(ref.tokens) else min(len(got), len(ref.tokens))
 
 
-def assert_matches(got: list[int], ref: Reference, label: str = "") -> None:
-    """Token-exact, except a divergence at a checked near-tie of the reference's top two logits."""
+def assert_matches(got: list[int], ref: Reference, label: str = "", near_tie: float = NEAR_TIE) -> None:
+    """Token-exact, except a divergence at a checked near-tie (top two logits within `near_tie`)."""
     index = first_divergence(got, ref)
     if index is None:
         return
@@ -81,7 +82,7 @@ def assert_matches(got: list[int], ref: Reference, label: str = "") -> None:
     )
     top2 = torch.topk(ref.logits[index], 2).values
     margin = float(top2[0] - top2[1])
-    assert margin < NEAR_TIE, (
+    assert margin < near_tie, (
         f"{label}: token {index} is {got[index]}, reference {ref.tokens[index]} (top-2 margin {margin:.2e}, "
         f"not a near-tie)\n got {got}\n ref {ref.tokens}"
     )
