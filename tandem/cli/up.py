@@ -140,6 +140,9 @@ def _count(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     config = UpConfig(**{name: getattr(args, name) for name in UpConfig.__dataclass_fields__})
+    if bool(config.slo_ttft_ms) != bool(config.slo_itl_ms):
+        print("tandem up: give both --slo-ttft-ms and --slo-itl-ms, or neither", file=sys.stderr)
+        return 2
     try:
         token = _internal_token(config.internal_token_file)
     except ValueError as exc:
@@ -284,7 +287,8 @@ class LocalSystem:
         port, metrics_port = self._free_port(), self._free_port()
         if redis_url:  # by environment: the URL carries the password
             self._env["TANDEM_REDIS_URL"] = redis_url
-        slo = ["--slo-ttft-ms", str(self.config.slo_ttft_ms), "--slo-itl-ms", str(self.config.slo_itl_ms)]
+        slo = (["--slo-ttft-ms", str(self.config.slo_ttft_ms), "--slo-itl-ms", str(self.config.slo_itl_ms)]
+               if self.config.slo_ttft_ms or self.config.slo_itl_ms else [])
         child = self._service("scheduler", "scheduler", port, ["--metrics-port", str(metrics_port), *slo])
         self._start_tier([child], stop)
         self._add_grpc_endpoints(child, port, metrics_port)

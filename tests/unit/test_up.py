@@ -358,3 +358,13 @@ def test_a_child_runs_with_its_own_environment_over_the_launchers(tmp_path):
     wait_for(lambda: child.exit_code() is not None)
     assert child.exit_code() == 0
     assert (tmp_path / "svc.log").read_text() == "3 x\n"
+
+
+def test_one_slo_target_without_the_other_is_refused_before_anything_starts(fakes, model_dir):
+    up = start_up(fakes, model_dir, "--slo-ttft-ms", "2000")
+    try:
+        out, err = up.communicate(timeout=60)
+    finally:
+        stop(up)
+    assert (up.returncode, out) == (2, "")
+    assert err.strip().splitlines()[-1] == "tandem up: give both --slo-ttft-ms and --slo-itl-ms, or neither"
