@@ -1,7 +1,8 @@
 """Tool calls and the other OpenAI fields beyond plain generation, through the real `openai` package
 and the e2e mesh with the default model (whose chat template has no tool support, so the tools
 reach it through tool_prompt's fallback): required and named choices always parse, whole and
-streamed; a list of prompts with echo; refused fields name themselves."""
+streamed; a list of prompts with echo; lm-eval-harness's loglikelihood call (echo, max_tokens 0,
+logprobs) against HF's teacher-forced fp32 logprobs; refused fields name themselves."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import torch
 
 from services.common.tokenizer import TextCodec
 from tests.e2e.api import MODEL
@@ -83,6 +85,28 @@ def test_a_list_of_prompts_with_echo(client):
     assert texts[0].startswith("The capital of France is") and texts[2].startswith("One, two,")
     single = client.completions.create(model=MODEL, prompt="One, two,", temperature=0, max_tokens=3)
     assert texts[2] == "One, two," + single.choices[0].text
+
+
+def test_loglikelihood_call_returns_the_prompt_logprobs_of_hf(client, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    codec = TextCodec.from_model_dir(default_model_dir)
+    ids = codec.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    response = client.completions.create(model=MODEL, prompt=[ids], echo=True, max_tokens=0, logprobs=1,
+                                         temperature=0)
+    (choice,) = response.choices
+    assert (choice.finish_reason, choice.text) == ("length", codec.decode(ids, skip_special_tokens=False))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 0)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [codec.decode([t], skip_special_tokens=False) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hf = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    want = hf[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert max(abs(got - w) for got, w in zip(logprobs.token_logprobs[1:], want)) < 1e-4
+    best = [codec.decode([int(row.argmax())], skip_special_tokens=False) for row in hf]
+    assert [next(iter(top)) for top in logprobs.top_logprobs[1:]] == best
 
 
 @pytest.mark.parametrize(("call", "param"), [
