@@ -10,9 +10,11 @@ finished: its final event is on the worker's stream). A worker stream that break
 worker drops therefore ends quietly: the Submit call says why. A worker's error event is left to
 the scheduler too, which reports it as the call's status.
 
-A scheduler that dies after placement (the Submit call breaks with UNAVAILABLE) takes nothing
-with it: the generating worker's stream goes on to the request's end, and only a stream that then
-ends without its final event fails the request (no scheduler is left to say why).
+A scheduler that dies once the generating worker has started the request (its stream has given an
+event; the Submit call breaks with UNAVAILABLE) takes nothing with it: that stream goes on to the
+request's end, and only a stream that then ends without its final event fails the request (no
+scheduler is left to say why). One that dies before fails it with UNAVAILABLE: the steps still to
+come (Run, the prefill and its KV hand-off) were the scheduler's calls, cut with it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Attempt:
         self._current = True
         self._scheduler_gone = False  # the Submit call broke with UNAVAILABLE after placement
         self._generator_cut: Unavailable | None = None  # the generator's stream ended before its final event
+        self._generator_started = False  # the generator's stream gave an event
 
     def start(self, open_stream: OpenStream) -> None:
         """Read the workers' streams into the relay, and watch the Submit call."""
@@ -86,6 +89,7 @@ class Attempt:
                                                f"failed it and no scheduler is left to say why; retry the request"))
                     return  # the scheduler ends the Submit call with the worker's error
                 finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                self._generator_started |= address == self.placement.generator_address
                 self._relay.push(event)
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
@@ -111,6 +115,10 @@ class Attempt:
                 return
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 self._fail(error_from_rpc(error))
+                return
+            if not self._generator_started:
+                self._fail(Unavailable(f"request {self._relay.request_id}: its scheduler was lost before "
+                                       f"{self.placement.generator_address} started it; retry the request"))
                 return
             log.warning("request %s: its scheduler was lost (%s); streaming on from %s", self._relay.request_id,
                         error.details(), self.placement.generator_address)
