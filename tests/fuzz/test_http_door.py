@@ -3,7 +3,7 @@ positive and negative cases for every operation. Pass: never a 5xx, every respon
 documented content type, JSON where JSON is due, errors in OpenAI's shape with the type their
 status calls for; afterwards the mesh serves the reference request's exact tokens and is idle.
 
-The document describes no request body for the two POST operations (the gateway reads its bodies
+The document describes no request body for the POST operations (the gateway reads its bodies
 itself, see http_app.py); where it describes none, the body schema is taken from the models the
 gateway parses bodies with (openai_requests.py), so the fuzzing reaches past "missing body".
 """
@@ -22,16 +22,18 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from services.gateway.http_errors import ERROR_TYPES
-from services.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest)
 from tests.fuzz.serving import API_KEY, CALL_TIMEOUT_S, assert_still_serving, budget
 from tests.fuzz.strategies import CHEAP_MAX_TOKENS, CONTEXT
 
 pytestmark = pytest.mark.slow
 
 HEADERS = {"authorization": f"Bearer {API_KEY}"}
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
-              "GET /metrics"]
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+              "GET /v1/models", "GET /v1/models/{model_id}", "GET /version", "GET /health", "GET /metrics"]
 BODY_EXAMPLES = 40
 OTHER_EXAMPLES = 5
 
