@@ -159,6 +159,9 @@ class _DropWhileFailing(SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+
+
 class JsonlSpanExporter(SpanExporter):
     """Appends spans to a file, one JSON record per line: finished spans (`export`) and start lines
     (`export_starts`). Each call is one O_APPEND write, so several processes of one service can share
@@ -175,8 +178,11 @@ class JsonlSpanExporter(SpanExporter):
 
     def _append(self, data: bytes) -> SpanExportResult:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, _APPEND_FLAGS, 0o644)
+            except FileNotFoundError:  # its directory is not there yet (or was removed)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, _APPEND_FLAGS, 0o644)
             try:
                 _write_all(fd, data)
             finally:
