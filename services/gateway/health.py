@@ -1,5 +1,5 @@
-"""The gateway's health: SERVING (gRPC health, and 200 on GET /health) while the scheduler answers
-SERVING and its Stats list a live worker set that can take this model's requests (a colocated
+"""The gateway's health: SERVING (gRPC health, and 200 on GET /health) while any of its schedulers
+(replicas) answers SERVING and its Stats list a live worker set that can take this model's requests (a colocated
 worker, or a prefill and a decode worker, as the scheduler's planner requires); NOT_SERVING (503
 with Retry-After) otherwise, and SERVING again as soon as one can.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 from fastapi import FastAPI
@@ -56,14 +57,15 @@ class SchedulerProbe:
         return can_serve(stats, self._model)
 
 
-async def follow_scheduler_health(channel: grpc.aio.Channel, server: GrpcServer, http: FastAPI | None = None, *,
-                                  model: str = "", internal_token: str | None = None) -> None:
-    """Keep the gateway's health (and the HTTP app's /health, when given) equal to whether the
-    scheduler can serve `model` now; runs until cancelled."""
-    probe = SchedulerProbe(channel, model, internal_token)
+async def follow_scheduler_health(channels: Sequence[grpc.aio.Channel], server: GrpcServer,
+                                  http: FastAPI | None = None, *, model: str = "",
+                                  internal_token: str | None = None) -> None:
+    """Keep the gateway's health (and the HTTP app's /health, when given) equal to whether any of
+    the schedulers (one channel each) can serve `model` now; runs until cancelled."""
+    probes = [SchedulerProbe(channel, model, internal_token) for channel in channels]
     serving = False
     while True:
-        up = await probe.ready()
+        up = any(await asyncio.gather(*(probe.ready() for probe in probes)))
         if up != serving:
             await (server.mark_serving() if up else server.mark_not_serving())
             if http is not None:

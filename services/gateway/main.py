@@ -122,7 +122,7 @@ async def serve(config: GatewayConfig) -> None:
     log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", model.name, config.host,
              server.port, "S" if config.tls else "", http_server.port, ",".join(config.scheduler),
              "on" if config.api_keys else "off", "on" if config.tls else "off")
-    follower = asyncio.create_task(follow_scheduler_health(channels[0], server, http, model=model.name,
+    follower = asyncio.create_task(follow_scheduler_health(channels, server, http, model=model.name,
                                                            internal_token=config.internal_token))
     try:
         await server.run_until_signal()

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.health_cli import SERVING, check
 from services.worker.sim_engine import sim_token
 from tests.mesh import collect, greedy_request
 from tests.redis_fixture import RedisServer
@@ -76,3 +77,5 @@ def test_a_scheduler_killed_under_load_loses_no_placed_request_and_the_other_tak
         stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
             scheduler_pb2.SchedulerStatsRequest(recent_routes=4), timeout=10, metadata=cluster.metadata)
     assert len(stats.recent_routes) == 4
+    assert check(cluster.gateway) == SERVING  # while any scheduler serves
+    assert "NOT_SERVING" not in (cluster.run_dir / "gateway.log").read_text()

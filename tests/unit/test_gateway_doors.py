@@ -326,7 +326,7 @@ async def test_health_is_not_serving_while_no_worker_can_take_requests_and_back_
 
     serving = (health_pb2.HealthCheckResponse.SERVING, 200)
     not_serving = (health_pb2.HealthCheckResponse.NOT_SERVING, 503)
-    follower = asyncio.create_task(follow_scheduler_health(doors.upstream, doors.gateway, doors.app, model=MODEL,
+    follower = asyncio.create_task(follow_scheduler_health([doors.upstream], doors.gateway, doors.app, model=MODEL,
                                                            internal_token=INTERNAL_TOKEN))
     try:
         doors.scheduler.workers = [PREFILL, DECODE]

@@ -258,7 +258,7 @@ async def test_health_follows_the_scheduler(mesh):
 
     assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
     upstream = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_server.port}")
-    follower = asyncio.create_task(follow_scheduler_health(upstream, gateway))
+    follower = asyncio.create_task(follow_scheduler_health([upstream], gateway))
     try:
         await eventually_async(serving, "the gateway SERVING")
         await scheduler_server.mark_not_serving()
