@@ -13,7 +13,9 @@ worker's block events take into the store, Redis or embedded), then sends `--req
     start of the worker's request span (the placement reached the worker), from the span files;
   - the client's p99 time to first token, for scale.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
-Schedulers are a parameter (`--schedulers N`) for when the gateway spreads over replicas.
+  - the prefix hit rate: routed requests with a prefix hit, from each replica's recent routes.
+`--schedulers 1,2,4` runs each point with that many replicas (Redis only: they share the registry,
+the prefix index and the load view through it); the scheduler CPU is every replica's together.
 
 Run: `.venv/bin/python bench/control_plane.py --workers 10,50,100 [--index-blocks 10000,1000000]
 [--stores embedded,redis] [--plot bench/results] [--json]`; takes `pip install -e .[bench]` for --plot.
@@ -44,6 +46,7 @@ from services.common.spans import SpanName, load_span_files  # noqa: E402
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.redis_fixture import RedisServer  # noqa: E402
 from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
+from services.scheduler.stats import RECENT_ROUTES  # noqa: E402
 
 WORKER_SPANS = (SpanName.COLOCATED, SpanName.PREFILL)  # where a placement lands
 INDEX_BATCH = 10_000  # synthetic block hashes per ReportBlocks (a Redis pipeline well inside its 1 s timeout)
@@ -81,6 +84,8 @@ class Result:
     routing_p50_ms: float
     routing_p99_ms: float
     ttft_p99_ms: float
+    prefix_hit_rate: float  # routed requests with a prefix hit, over each replica's last RECENT_ROUTES routes
+    routes_sampled: int
     index_fill_s: float
     loadavg_before: str
     loadavg_after: str
@@ -88,8 +93,8 @@ class Result:
 
 def main() -> int:
     args = parse_args()
-    points = [Point(w, b, s, args.schedulers) for s, b, w in itertools.product(args.stores, args.index_blocks,
-                                                                                args.workers)]
+    points = [Point(w, b, s, n) for s, b, w, n in itertools.product(args.stores, args.index_blocks, args.workers,
+                                                                     args.schedulers)]
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs (shared with other work: see the load averages)",
           file=sys.stderr)
     results = []
@@ -97,7 +102,7 @@ def main() -> int:
         print(f"point {point} ...", file=sys.stderr, flush=True)
         try:
             results.append(run_point(point, args))
-        except ValueError as exc:  # a setting the harness cannot run (several schedulers, today)
+        except ValueError as exc:  # a setting the harness cannot run (several schedulers without Redis)
             print(f"control_plane: {exc}", file=sys.stderr)
             return 2
         print(row(results[-1]), file=sys.stderr, flush=True)
@@ -115,7 +120,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=_ints, default=[10, 50, 100], help="simulated workers per point")
     parser.add_argument("--index-blocks", type=_ints, default=[10_000], help="prefix-index blocks pre-filled")
     parser.add_argument("--stores", type=lambda t: t.split(","), default=["embedded"], help="embedded,redis")
-    parser.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (1 until they exist)")
+    parser.add_argument("--schedulers", type=_ints, default=[1],
+                        help="scheduler replicas, e.g. 1,2,4 (several need --stores redis: they share it)")
     parser.add_argument("--sim-processes", type=int, default=2, help="processes the simulated workers share")
     parser.add_argument("--requests", type=int, default=600, help="requests per point")
     parser.add_argument("--concurrency", type=int, default=48, help="requests in flight at once")
@@ -173,7 +179,9 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     fill_index(cluster, point.index_blocks)
     index_fill_s = time.monotonic() - started
     asyncio.run(drive(cluster.gateway, "warmup", min(32, args.requests), args))
-    pids = {"scheduler": cluster.pid("scheduler"), "gateway": cluster.pid("gateway")}
+    pids = {"gateway": cluster.pid("gateway")}
+    replicas = [name for name in cluster.children if name.startswith("scheduler")]
+    pids.update({name: cluster.pid(name) for name in replicas})
     sims = [name for name in cluster.children if name.startswith("sim-")]
     pids.update({name: cluster.pid(name) for name in sims})
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
@@ -181,6 +189,8 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
     wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
+    hits, routed = prefix_hits(cluster, set(outcome.request_ids))
     routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
     tokens = max(outcome.tokens, 1)
     ok = args.requests - sum(outcome.failures.values())
@@ -198,9 +208,26 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         routing_p50_ms=round(percentile(routing, 0.50), 2),
         routing_p99_ms=round(percentile(routing, 0.99), 2),
         ttft_p99_ms=round(percentile(outcome.ttfts_ms, 0.99), 2),
+        prefix_hit_rate=round(hits / routed, 3) if routed else float("nan"),
+        routes_sampled=routed,
         index_fill_s=round(index_fill_s, 1),
         loadavg_before=load_before, loadavg_after=loadavg(),
     )
+
+
+def prefix_hits(cluster: SimCluster, request_ids: set[str]) -> tuple[int, int]:
+    """(routes with a prefix hit, routes) of the run's requests, over every replica's recent routes."""
+    hits = routed = 0
+    for address in cluster.schedulers:
+        with grpc.insecure_channel(address) as channel:
+            stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
+                scheduler_pb2.SchedulerStatsRequest(recent_routes=RECENT_ROUTES), timeout=30,
+                metadata=cluster.metadata)
+        for route in stats.recent_routes:
+            if route.request_id in request_ids:
+                routed += 1
+                hits += route.matched_prefix_blocks > 0
+    return hits, routed
 
 
 def fill_index(cluster: SimCluster, blocks: int) -> None:
@@ -310,11 +337,11 @@ def cpu_model() -> str:
 
 # -- output -----------------------------------------------------------------------------------
 
-COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index blocks"),
+COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index blocks"), ("schedulers", "schedulers"),
            ("decisions_per_s", "routed/s"), ("scheduler_capacity_rps", "sched cap/s"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
-           ("ttft_p99_ms", "TTFT p99 ms"), ("failed", "failed"), ("loadavg_after", "loadavg"))
+           ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"), ("loadavg_after", "loadavg"))
 
 
 def row(result: Result) -> str:
