@@ -54,6 +54,7 @@ class UpConfig:
     internal_token_file: Path | None  # None: TANDEM_INTERNAL_TOKEN, else a random token for this run
     slo_ttft_ms: float = 0.0  # with slo_itl_ms: the scheduler sets each worker's batching policy (0: off)
     slo_itl_ms: float = 0.0
+    schedulers: int = 1  # replicas; several share Redis (the workers report to each, the gateway spreads over them)
 
     @property
     def connect_host(self) -> str:
@@ -88,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=_count, default=1, help="prefill workers (disaggregated; default 1)")
     parser.add_argument("--decode", type=_count, default=1, help="decode workers (disaggregated; default 1)")
     parser.add_argument("--workers", type=_count, default=1, help="colocated workers (colocated; default 1)")
+    parser.add_argument("--schedulers", type=_count, default=1,
+                        help="scheduler replicas (default 1); several need Redis (--redis-url or redis-server "
+                             "installed): they share the registry, the prefix index and the load view through it")
     parser.add_argument("--model", type=Path, default=os.environ.get("TANDEM_MODEL") or None,
                         help="model directory (env TANDEM_MODEL; default: the default model)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
@@ -142,6 +146,10 @@ def main(args: argparse.Namespace) -> int:
     config = UpConfig(**{name: getattr(args, name) for name in UpConfig.__dataclass_fields__})
     if bool(config.slo_ttft_ms) != bool(config.slo_itl_ms):
         print("tandem up: give both --slo-ttft-ms and --slo-itl-ms, or neither", file=sys.stderr)
+        return 2
+    if config.schedulers > 1 and not config.redis_url and shutil.which("redis-server") is None:
+        print(f"tandem up: --schedulers {config.schedulers} needs Redis, which the replicas share (the embedded "
+              "store lives in one scheduler's process); give --redis-url or install redis-server", file=sys.stderr)
         return 2
     try:
         token = _internal_token(config.internal_token_file)
@@ -284,15 +292,19 @@ class LocalSystem:
         return path
 
     def _start_scheduler(self, redis_url: str | None, stop: threading.Event) -> str:
-        port, metrics_port = self._free_port(), self._free_port()
+        """The replicas ("scheduler", then "scheduler-1", ...); their addresses, comma-separated."""
         if redis_url:  # by environment: the URL carries the password
             self._env["TANDEM_REDIS_URL"] = redis_url
         slo = (["--slo-ttft-ms", str(self.config.slo_ttft_ms), "--slo-itl-ms", str(self.config.slo_itl_ms)]
                if self.config.slo_ttft_ms or self.config.slo_itl_ms else [])
-        child = self._service("scheduler", "scheduler", port, ["--metrics-port", str(metrics_port), *slo])
-        self._start_tier([child], stop)
-        self._add_grpc_endpoints(child, port, metrics_port)
-        return self._address(port)
+        ports = [(self._free_port(), self._free_port()) for _ in range(self.config.schedulers)]
+        children = [self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port,
+                                  ["--metrics-port", str(metrics_port), *slo])
+                    for i, (port, metrics_port) in enumerate(ports)]
+        self._start_tier(children, stop)
+        for child, (port, metrics_port) in zip(children, ports, strict=True):
+            self._add_grpc_endpoints(child, port, metrics_port)
+        return ",".join(self._address(port) for port, _ in ports)
 
     def _start_workers(self, scheduler: str, stop: threading.Event) -> None:
         counts = self.config.worker_counts()
@@ -308,7 +320,7 @@ class LocalSystem:
                          str(self.model_dir), "--threads", str(threads), "--device", device,
                          "--dtype", self.config.dtype, "--quantization", self.config.quantization,
                          "--metrics-port", str(metrics_port)]
-                ready = _registered_and_serving(self._address(port), scheduler, self.token)
+                ready = _registered_and_serving(self._address(port), scheduler.split(",")[0], self.token)
                 children.append(self._service(f"{role}-{index}", role, port, flags, ready, env))
                 ports.append((port, metrics_port))
         self._start_tier(children, stop)

@@ -368,3 +368,18 @@ def test_one_slo_target_without_the_other_is_refused_before_anything_starts(fake
         stop(up)
     assert (up.returncode, out) == (2, "")
     assert err.strip().splitlines()[-1] == "tandem up: give both --slo-ttft-ms and --slo-itl-ms, or neither"
+
+
+def test_several_schedulers_without_redis_are_refused_before_anything_starts(monkeypatch, capsys):
+    import argparse
+
+    from tandem.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
+    monkeypatch.setattr(up.shutil, "which", lambda name: None)
+    assert up.main(parser.parse_args(["--schedulers", "2"])) == 2
+    assert capsys.readouterr().err == (
+        "tandem up: --schedulers 2 needs Redis, which the replicas share (the embedded store lives in one "
+        "scheduler's process); give --redis-url or install redis-server\n")
