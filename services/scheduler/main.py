@@ -19,7 +19,7 @@ from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.registry import WorkerRegistry
+from services.scheduler.registry import LISTING_REUSE_S, WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -152,7 +152,9 @@ async def serve(config: SchedulerConfig) -> None:
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     clients = WorkerClients(config.internal_token, config.internal_tls)
-    dispatcher = Dispatcher(WorkerRegistry(store, config.heartbeat_ttl), clients, max_queue=config.max_queue,
+    registry = WorkerRegistry(store, config.heartbeat_ttl,
+                              listing_reuse_s=LISTING_REUSE_S if config.redis_url else 0.0)
+    dispatcher = Dispatcher(registry, clients, max_queue=config.max_queue,
                             max_running=config.max_running, migration=config.migration, metrics=metrics)
     server = create_server(config.host, config.port, internal_token=config.internal_token,
                            credentials=config.internal_tls.server_credentials() if config.internal_tls else None)

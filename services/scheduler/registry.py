@@ -13,6 +13,10 @@ have routed requests to is never told to register again because the store's entr
 the scheduler was down, and it keeps routing to it through a later outage of the store. Block
 reports made while the store is down are lost.
 
+With `listing_reuse_s` (a shared Redis store), one listing of the store's workers serves the
+requests routed within that long (wall clock), this scheduler's own heartbeats and registrations
+laid over it: a listing is one round trip and a record to decode per worker, on every request.
+
 A worker id belongs to the worker that registered it while that one is live: a registration
 under a live worker's id with other info (address, role, model, cache geometry) is refused with
 FailedPrecondition, since heartbeats carry load, not identity, and the real worker's heartbeats
@@ -38,6 +42,7 @@ from services.common.store import Store, StoreUnavailable, WorkerInfo, WorkerLoa
 log = logging.getLogger(__name__)
 
 STORE_RETRY_S = 1.0
+LISTING_REUSE_S = 0.05  # how long the scheduler on a shared store reuses a listing of its workers
 T = TypeVar("T")
 
 
@@ -50,8 +55,11 @@ class _Seen:
 class WorkerRegistry:
     """`clock` (monotonic seconds) is injectable for tests; give the store the same one."""
 
-    def __init__(self, store: Store, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: Store, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 listing_reuse_s: float = 0.0) -> None:
         self.store = store
+        self._listing_reuse_s = listing_reuse_s
+        self._listing: tuple[float, list[WorkerRecord]] | None = None  # (time.monotonic(), the store's workers)
         self.ttl = ttl
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
@@ -76,6 +84,7 @@ class WorkerRegistry:
         self._seen[info.worker_id] = _Seen(record, self._clock())
         self._live[info.worker_id] = record
         await self._store_call(lambda: self.store.register_worker(info, self.ttl, load))
+        self._listing = None
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Renew a worker; False when it must register again (unknown here, lapsed, or dropped)."""
@@ -147,11 +156,17 @@ class WorkerRegistry:
 
     async def live_workers(self) -> list[WorkerRecord]:
         """The live workers ordered by id (see the module docstring); refreshes snapshot()."""
-        ok, listed = await self._store_call(self.store.list_workers)
+        reused = self._listing is not None and time.monotonic() - self._listing[0] < self._listing_reuse_s
+        if reused:
+            ok, listed = True, self._listing[1]
+        else:
+            listed_at = time.monotonic()
+            ok, listed = await self._store_call(self.store.list_workers)
+            self._listing = (listed_at, listed) if ok else None
         records = {r.info.worker_id: r for r in listed} if ok else {}
         for worker_id in list(self._seen):
-            if worker_id not in records and (seen := self._fresh(worker_id)) is not None:
-                records[worker_id] = seen.record
+            if (reused or worker_id not in records) and (seen := self._fresh(worker_id)) is not None:
+                records[worker_id] = seen.record  # a reused listing is older than this scheduler's own news
         self._live = {w: records[w] for w in sorted(records) if w not in self._dropped}
         return list(self._live.values())
 

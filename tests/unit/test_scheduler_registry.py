@@ -159,3 +159,20 @@ async def test_the_same_worker_may_register_again_while_live_and_another_once_th
     registry.forget("d-0")  # lost or deregistered: free as well
     await registry.register(real, WorkerLoad())
     assert [r.info for r in await registry.live_workers()] == [real]
+
+
+async def test_a_reused_listing_misses_other_schedulers_news_but_never_its_own() -> None:
+    clock = FakeClock()
+    store = FlakyStore(clock)
+    registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)  # a listing serves every call here
+    await registry.register(info("p-0"), WorkerLoad())
+    assert await ids(registry) == ["p-0"]
+    await store.register_worker(info("p-1"), TTL, WorkerLoad())  # another scheduler's worker
+    assert await registry.heartbeat("p-0", WorkerLoad(free_blocks=9))
+    records = await registry.live_workers()
+    assert [(r.info.worker_id, r.load.free_blocks) for r in records] == [("p-0", 9)]  # its own heartbeat counts
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())  # a registration lists the store again
+    assert await ids(registry) == ["d-0", "p-0", "p-1"]
+    registry.forget("p-1")
+    assert await ids(registry) == ["d-0", "p-0"]
+    assert await ids(WorkerRegistry(store, TTL, clock)) == ["d-0", "p-0", "p-1"]  # no reuse: every call lists
