@@ -79,3 +79,29 @@ def test_a_scheduler_killed_under_load_loses_no_placed_request_and_the_other_tak
     assert len(stats.recent_routes) == 4
     assert check(cluster.gateway) == SERVING  # while any scheduler serves
     assert "NOT_SERVING" not in (cluster.run_dir / "gateway.log").read_text()
+
+
+def test_two_schedulers_never_over_reserve_one_small_decode_worker(tmp_path: Path, redis_server: RedisServer,
+                                                                   default_model_dir: Path) -> None:
+    """Each request needs 5 of the decode worker's 16 blocks (40 prompt + 30 output tokens): at most 3
+    fit at once, and 8 arrive together through both replicas. The worker's Reserve is the authority,
+    so every request completes token-exact and the blocks all come back."""
+    specs = [SimSpec(role="prefill", step_ms=5.0), SimSpec(role="decode", step_ms=20.0, kv_blocks=16)]
+    cluster = SimCluster.start(tmp_path, specs, redis_url=redis_server.url, schedulers=2, model=default_model_dir)
+    try:
+        decode = next(address for worker_id, address in cluster.workers.items() if worker_id.startswith("decode"))
+        prompts = [[600 + i, *range(700, 739)] for i in range(8)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: generate(cluster, p, 30), prompts))
+        assert results == [expected_tokens(prompt, 30) for prompt in prompts]
+
+        def idle() -> worker_pb2.WorkerStats | None:
+            with grpc.insecure_channel(decode) as channel:
+                stats = worker_pb2_grpc.DecodeServiceStub(channel).Stats(
+                    worker_pb2.WorkerStatsRequest(), timeout=5, metadata=cluster.metadata)
+            return stats if not (stats.reserved_blocks or stats.referenced_blocks or stats.running) else None
+
+        stats = wait_until(idle, "the decode worker idle with no block reserved")
+        assert stats.free_blocks + stats.cached_blocks == 16
+    finally:
+        cluster.stop()
