@@ -70,6 +70,9 @@ def messages(descriptor: Descriptor, hints: Hints = COMMON_HINTS, depth: int = 3
 def _field(field: FieldDescriptor, hints: Hints, depth: int) -> st.SearchStrategy:
     if field.name in hints:
         return hints[field.name]
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+        return st.dictionaries(_field(key, hints, depth), _field(value, hints, depth), max_size=4)
     if field.message_type is not None:
         value = messages(field.message_type, hints, depth - 1)
     elif field.enum_type is not None:  # known values and unknown ones (proto3 enums are open)
