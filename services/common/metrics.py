@@ -69,8 +69,9 @@ class ServiceMetrics:
             "tandem:inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
         self.e2e_request_latency = histogram(
             "tandem:e2e_request_latency_seconds", "Time from request arrival to its last token.", REQUEST_BUCKETS)
-        self.request_queue_time = histogram(
-            "tandem:request_queue_time_seconds", "Time a request waited for admission.", REQUEST_BUCKETS)
+        self._request_queue_time = Histogram(
+            "tandem:request_queue_time_seconds", "Time a request waited for admission.", LABELS,
+            registry=self.registry, buckets=REQUEST_BUCKETS)
         self.kv_transfer_time = histogram(
             "tandem:kv_transfer_seconds", "Duration of one request's KV transfer.", TRANSFER_BUCKETS)
         self.num_requests_running = gauge("tandem:num_requests_running", "Requests being computed.")
@@ -101,10 +102,15 @@ class ServiceMetrics:
             "tandem:request_success_total", "Finished requests by finish reason.",
             (*LABELS, "finished_reason"), registry=self.registry)
 
-    def request_success(self, finished_reason: str) -> Counter:
-        """The success counter for one finish reason ("stop", "length", "abort")."""
-        return self._request_success.labels(model_name=self.model_name, worker=self.worker,
+    def request_success(self, finished_reason: str, model_name: str = "") -> Counter:
+        """The success counter for one finish reason ("stop", "length", "abort"), under the request's
+        model where the service serves several (the scheduler), else under the service's own."""
+        return self._request_success.labels(model_name=model_name or self.model_name, worker=self.worker,
                                             finished_reason=finished_reason)
+
+    def request_queue_time(self, model_name: str = "") -> Histogram:
+        """The admission-wait histogram, labelled as `request_success` is."""
+        return self._request_queue_time.labels(model_name=model_name or self.model_name, worker=self.worker)
 
     def batch_policy(self, field: str) -> Gauge:
         """The gauge of one batching-policy field (max_num_batched_tokens, max_num_seqs, chunk_size, window_ms)."""

@@ -229,7 +229,7 @@ class Dispatcher:
         state.ticket = self.admission.enter(state.request_id, lambda: self._ready(state))
         if await self._wait_turn(state):
             await self._start_in_turn(state)
-        self._metrics.request_queue_time.observe(state.queued_s)
+        self._metrics.request_queue_time(state.request.model).observe(state.queued_s)
         self._update_gauges()
 
     async def _start_in_turn(self, state: RequestState) -> None:
@@ -324,7 +324,7 @@ class Dispatcher:
             self._launcher.abort(state, state.placement, _abort_reason(state))
         reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
         if reason is not None:
-            self._metrics.request_success(reason).inc()
+            self._metrics.request_success(reason, state.request.model).inc()
         self._update_gauges()
         if outcome in (Outcome.FAILED, Outcome.REJECTED):
             state.span.set_status(trace.StatusCode.ERROR, str(state.error))

@@ -123,3 +123,19 @@ def test_metrics_server_keeps_colons_even_when_openmetrics_is_asked_for() -> Non
     assert 'tandem:prompt_tokens_total{model_name="m",worker="prefill-0"} 7.0' in body.splitlines()
     assert _type_lines(body) == EXPECTED_FAMILIES
     assert missing.value.code == 404
+
+
+def test_a_service_of_several_models_labels_each_request_with_its_own() -> None:
+    metrics = ServiceMetrics("", "scheduler")
+    metrics.request_success("stop", "smollm2").inc()
+    metrics.request_success("abort", "other").inc()
+    metrics.request_queue_time("smollm2").observe(0.25)
+
+    samples = _samples(render_metrics(metrics.registry)[0].decode())
+    assert samples[("tandem:request_success_total", (("finished_reason", "stop"), ("model_name", "smollm2"),
+                                                     ("worker", "scheduler")))] == 1
+    assert samples[("tandem:request_success_total", (("finished_reason", "abort"), ("model_name", "other"),
+                                                     ("worker", "scheduler")))] == 1
+    assert samples[("tandem:request_queue_time_seconds_sum", (("model_name", "smollm2"), ("worker", "scheduler")))] == 0.25
+    per_request = ("tandem:request_success_total", "tandem:request_queue_time_seconds_count")
+    assert not any(dict(labels)["model_name"] == "" for name, labels in samples if name in per_request)
