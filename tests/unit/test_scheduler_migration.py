@@ -82,7 +82,8 @@ async def test_the_relay_goes_on_at_the_same_offset_after_an_interruption() -> N
         except Interrupted as interruption:
             interruptions.append((interruption.error, interruption.offset))
     assert interruptions == [(lost, 2)]
-    assert delivered == [(0, [100], 0), (1, [101], 0), (2, [102], 0), (3, [103], 0), (4, [104], LENGTH)]
+    # Tokens waiting for the reader join one event, never across the interruption or into the final one.
+    assert delivered == [(0, [100, 101], 0), (2, [102, 103], 0), (4, [104], LENGTH)]
     assert relay.tokens == [100, 101, 102, 103, 104] and relay.next_offset == 5 and relay.closed
 
 
