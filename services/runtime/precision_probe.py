@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +54,11 @@ class ProbeSetup:
                 "candidates": [c.name for c in CANDIDATES]}
 
 
+# A probe taken while other work loads the CPU more than this (load average per core) times that
+# work, not the kernels: it is kept only until a start on a quieter machine probes again.
+BUSY_LOAD = 0.5
+
+
 def cached_probe(setup: ProbeSetup, cache_dir: Path | None = None) -> tuple[dict[str, list[float | None]], str]:
     """The candidates' times (ms per pass at each of setup.rows) and where they came from."""
     directory = cache_dir or tandem_home() / "probes"
@@ -62,11 +68,20 @@ def cached_probe(setup: ProbeSetup, cache_dir: Path | None = None) -> tuple[dict
     path = directory / f"precision-{digest}.json"
     with open(directory / "precision.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.is_file():
-            return json.loads(path.read_text())["times_ms"], f"cached probe {path}"
+        busy = machine_load() > BUSY_LOAD
+        cached = json.loads(path.read_text()) if path.is_file() else None
+        if cached is not None and (busy or not cached.get("busy", False)):
+            return cached["times_ms"], f"cached probe {path}"
         times = run_probe(setup)
-        path.write_text(json.dumps({"key": key, "times_ms": times}, indent=1))
+        path.write_text(json.dumps({"key": key, "times_ms": times, "busy": busy}, indent=1))
+    if busy:
+        return times, f"probed on a busy machine (load {machine_load():.1f} per core), probed again when it is quiet"
     return times, f"probed, cached in {path}"
+
+
+def machine_load() -> float:
+    """The 1-minute load average per CPU core."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
 def run_probe(setup: ProbeSetup) -> dict[str, list[float | None]]:

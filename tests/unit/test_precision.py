@@ -123,6 +123,7 @@ def test_auto_probes_once_per_machine_and_reads_the_cache_after(model_config, tm
                 "float16+int4": [9.0, None, None, None]}
 
     monkeypatch.setattr(precision_probe, "run_probe", fake_probe)
+    monkeypatch.setattr(precision_probe, "machine_load", lambda: 0.0)
     first = resolve("auto", "auto", "cpu", model_config, 512, tmp_path)
     assert first.precision == Precision(torch.bfloat16, "int4", 32) and first.reason.startswith("auto: probed, cached in ")
     again = resolve("auto", "auto", "cpu", model_config, 512, tmp_path)
@@ -156,3 +157,20 @@ def test_a_worker_without_precision_flags_keeps_the_device_default(default_model
     assert WorkerConfig().precision(default_model_dir) == Choice(FLOAT32, "the default on cpu")
     assert WorkerConfig(device="cuda:0").precision(default_model_dir) == Choice(BF16, "the default on cuda:0")
     assert WorkerConfig(dtype="bfloat16", quantization="int8").precision(default_model_dir) == Choice(BF16_INT8, "given")
+
+
+def test_a_probe_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(model_config, tmp_path, monkeypatch):
+    probes: list[float] = []
+    load = [2.0]
+    monkeypatch.setattr(precision_probe, "machine_load", lambda: load[0])
+    monkeypatch.setattr(precision_probe, "run_probe", lambda setup: probes.append(load[0]) or {
+        "float32": [5.0, 10.0, 40.0, 400.0], "bfloat16": [6.0, 8.0, 20.0, 190.0], "float16": [None] * 4,
+        "bfloat16+int8": [None] * 4, "bfloat16+int4": [None] * 4, "float16+int8": [None] * 4,
+        "float16+int4": [None] * 4})
+    busy = resolve("auto", "none", "cpu", model_config, 512, tmp_path)
+    assert busy.reason.startswith("auto: probed on a busy machine (load 2.0 per core)")
+    assert resolve("auto", "none", "cpu", model_config, 512, tmp_path).reason.startswith("auto: cached probe ")
+    load[0] = 0.1
+    assert resolve("auto", "none", "cpu", model_config, 512, tmp_path).reason.startswith("auto: probed, cached in ")
+    assert resolve("auto", "none", "cpu", model_config, 512, tmp_path).reason.startswith("auto: cached probe ")
+    assert probes == [2.0, 0.1]
