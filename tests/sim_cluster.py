@@ -20,8 +20,32 @@ from pathlib import Path
 
 import grpc
 
+from services.worker.sim_engine import sim_token
 from tandem.cli.supervisor import Child, stop_all, wait_ready
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.mesh import collect, greedy_request
+
+SIM_VOCAB = 49152  # the default model's, whose config.json the simulated workers read
+
+
+def sim_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    """What a simulated worker generates after `prompt`: sim_token chained from its last token."""
+    tokens, previous = [], prompt[-1]
+    for position in range(len(prompt), len(prompt) + max_tokens):
+        previous = sim_token(previous, position, SIM_VOCAB)
+        tokens.append(previous)
+    return tokens
+
+
+def generate(gateway: str, prompt: list[int], max_tokens: int, timeout: float) -> list[int]:
+    """One greedy request through the gateway, which must run to max_tokens; its token ids."""
+    with grpc.insecure_channel(gateway) as channel:
+        stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(greedy_request(prompt, max_tokens),
+                                                                         timeout=timeout)
+        token_ids, messages = collect(stream)
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == max_tokens
+    return token_ids
 
 START_TIMEOUT_S = 120.0
 _WORKER_LINE = re.compile(r"^(?P<id>\S+) grpc (?P<address>\S+)$", re.MULTILINE)

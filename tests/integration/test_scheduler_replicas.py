@@ -14,24 +14,14 @@ import grpc
 import pytest
 
 from services.common.health_cli import SERVING, check
-from services.worker.sim_engine import sim_token
-from tests.mesh import collect, greedy_request
 from tests.redis_fixture import RedisServer
-from tests.sim_cluster import SimCluster, SimSpec
+from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
+from tests.sim_cluster import generate as sim_generate
 from tests.waiting import wait_until
-from tandem.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-VOCAB = 49152  # the default model's
 MAX_TOKENS = 60
 NUM_REQUESTS = 6
-
-
-def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens, previous = [], prompt[-1]
-    for position in range(len(prompt), len(prompt) + max_tokens):
-        previous = sim_token(previous, position, VOCAB)
-        tokens.append(previous)
-    return tokens
 
 
 @pytest.fixture
@@ -45,11 +35,7 @@ def cluster(tmp_path: Path, redis_server: RedisServer, default_model_dir: Path) 
 
 
 def generate(cluster: SimCluster, prompt: list[int], max_tokens: int) -> list[int]:
-    with grpc.insecure_channel(cluster.gateway) as channel:
-        stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(greedy_request(prompt, max_tokens), timeout=60)
-        token_ids, messages = collect(stream)
-    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    return token_ids
+    return sim_generate(cluster.gateway, prompt, max_tokens, timeout=60)
 
 
 def running(cluster: SimCluster) -> int:
@@ -69,10 +55,10 @@ def test_a_scheduler_killed_under_load_loses_no_placed_request_and_the_other_tak
         wait_until(lambda: running(cluster) == NUM_REQUESTS, "every request running on the sim workers")
         os.kill(cluster.pid("scheduler"), signal.SIGKILL)
         results = [future.result(timeout=90) for future in futures]
-    assert results == [expected_tokens(prompt, MAX_TOKENS) for prompt in prompts]
+    assert results == [sim_tokens(prompt, MAX_TOKENS) for prompt in prompts]
 
     after = [[400 + i, *range(500, 520)] for i in range(4)]
-    assert [generate(cluster, prompt, 5) for prompt in after] == [expected_tokens(p, 5) for p in after]
+    assert [generate(cluster, prompt, 5) for prompt in after] == [sim_tokens(p, 5) for p in after]
     with grpc.insecure_channel(cluster.schedulers[1]) as channel:
         stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
             scheduler_pb2.SchedulerStatsRequest(recent_routes=4), timeout=10, metadata=cluster.metadata)
@@ -93,7 +79,7 @@ def test_two_schedulers_never_over_reserve_one_small_decode_worker(tmp_path: Pat
         prompts = [[600 + i, *range(700, 739)] for i in range(8)]
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: generate(cluster, p, 30), prompts))
-        assert results == [expected_tokens(prompt, 30) for prompt in prompts]
+        assert results == [sim_tokens(prompt, 30) for prompt in prompts]
 
         def idle() -> worker_pb2.WorkerStats | None:
             with grpc.insecure_channel(decode) as channel:

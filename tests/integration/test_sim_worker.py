@@ -11,16 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.worker.sim_engine import sim_token
-from tests.mesh import collect, greedy_request
-from tests.sim_cluster import SimCluster, SimSpec
+from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
+from tests.sim_cluster import generate as sim_generate
 from tests.waiting import wait_until
-from tandem.v1 import common_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 NUM_BLOCKS = 64
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
 MAX_TOKENS = 7
-VOCAB = 49152  # the default model's
 # sim_token over the prompt's last token at positions 40..46, worked out once by hand.
 EXPECTED = [18349, 17796, 19542, 16253, 27647, 20086, 18088]
 
@@ -36,12 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -
 
 
 def generate(cluster: SimCluster, prompt: list[int], max_tokens: int) -> list[int]:
-    with grpc.insecure_channel(cluster.gateway) as channel:
-        stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(greedy_request(prompt, max_tokens), timeout=30)
-        token_ids, messages = collect(stream)
-    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert messages[-1].usage.completion_tokens == max_tokens
-    return token_ids
+    return sim_generate(cluster.gateway, prompt, max_tokens, timeout=30)
 
 
 def worker_stats(cluster: SimCluster, address: str) -> worker_pb2.WorkerStats:
@@ -61,12 +54,7 @@ def test_sim_workers_register_with_their_blocks(cluster: SimCluster) -> None:
 
 
 def test_a_request_gets_deterministic_tokens_then_its_blocks_are_indexed_and_freed(cluster: SimCluster) -> None:
-    expected = []
-    previous = PROMPT[-1]
-    for position in range(len(PROMPT), len(PROMPT) + MAX_TOKENS):
-        previous = sim_token(previous, position, VOCAB)
-        expected.append(previous)
-    assert expected == EXPECTED
+    assert sim_tokens(PROMPT, MAX_TOKENS) == EXPECTED
 
     assert generate(cluster, PROMPT, MAX_TOKENS) == EXPECTED
     route = cluster.scheduler_stats(recent_routes=1).recent_routes[-1]
