@@ -1,11 +1,35 @@
 from tandem.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_RESIDENT: _ClassVar[ModelState]
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_RESIDENT: ModelState
+
+class ProvisionModelRequest(_message.Message):
+    __slots__ = ("model", "replicas")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replicas: int
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ProvisionModelResponse(_message.Message):
+    __slots__ = ("worker_ids",)
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "model", "token_ids", "sampling", "cache_salt", "deadline_unix_ms", "trace_id", "delivered_token_ids", "migration", "lora")
@@ -174,7 +198,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., heartbeat_age_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "num_blocks", "block_size", "max_model_len", "kv_block_bytes", "device", "load")
+    __slots__ = ("worker_id", "role", "address", "model", "num_blocks", "block_size", "max_model_len", "kv_block_bytes", "device", "load", "catalogue", "model_memory_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +209,8 @@ class WorkerInfo(_message.Message):
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    CATALOGUE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -195,10 +221,28 @@ class WorkerInfo(_message.Message):
     kv_block_bytes: int
     device: str
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    catalogue: _containers.RepeatedScalarFieldContainer[str]
+    model_memory_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., catalogue: _Optional[_Iterable[str]] = ..., model_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelResidency(_message.Message):
+    __slots__ = ("name", "state", "pinned", "weight_bytes", "active_requests", "idle_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: ModelState
+    pinned: bool
+    weight_bytes: int
+    active_requests: int
+    idle_ms: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., pinned: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., idle_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("free_blocks", "cached_blocks", "running", "waiting", "queued_prefill_tokens", "reserved_blocks", "step_cost")
+    __slots__ = ("free_blocks", "cached_blocks", "running", "waiting", "queued_prefill_tokens", "reserved_blocks", "step_cost", "models", "free_model_memory_bytes")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +250,8 @@ class WorkerLoad(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    FREE_MODEL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     cached_blocks: int
     running: int
@@ -213,7 +259,9 @@ class WorkerLoad(_message.Message):
     queued_prefill_tokens: int
     reserved_blocks: int
     step_cost: StepCostModel
-    def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., step_cost: _Optional[_Union[StepCostModel, _Mapping]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelResidency]
+    free_model_memory_bytes: int
+    def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., step_cost: _Optional[_Union[StepCostModel, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelResidency, _Mapping]]] = ..., free_model_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StepCostModel(_message.Message):
     __slots__ = ("fixed_ms", "per_token_ms", "per_context_token_ms")

@@ -78,6 +78,11 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenBatch.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.ReportAck.FromString,
                 _registered_method=True)
+        self.ProvisionModel = channel.unary_unary(
+                '/tandem.v1.SchedulerService/ProvisionModel',
+                request_serializer=tandem_dot_v1_dot_scheduler__pb2.ProvisionModelRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.ProvisionModelResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -156,6 +161,17 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProvisionModel(self, request, context):
+        """Admin (internal token) -> scheduler: loads and pins a model on `replicas`
+        workers whose catalogue holds it, before traffic arrives (the latency
+        placement policy serves only provisioned models). NOT_FOUND when no
+        worker's catalogue holds it; RESOURCE_EXHAUSTED when fewer workers than
+        asked can take it (those that could keep it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +214,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ReportTokens,
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenBatch.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.ReportAck.SerializeToString,
+            ),
+            'ProvisionModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProvisionModel,
+                    request_deserializer=tandem_dot_v1_dot_scheduler__pb2.ProvisionModelRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.ProvisionModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,6 +440,33 @@ class SchedulerService:
             '/tandem.v1.SchedulerService/ReportTokens',
             tandem_dot_v1_dot_scheduler__pb2.TokenBatch.SerializeToString,
             tandem_dot_v1_dot_scheduler__pb2.ReportAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProvisionModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.SchedulerService/ProvisionModel',
+            tandem_dot_v1_dot_scheduler__pb2.ProvisionModelRequest.SerializeToString,
+            tandem_dot_v1_dot_scheduler__pb2.ProvisionModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

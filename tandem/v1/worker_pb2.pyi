@@ -8,6 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model", "pin")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    pin: bool
+    def __init__(self, model: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model", "evicted")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    model: _scheduler_pb2.ModelResidency
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[_Union[_scheduler_pb2.ModelResidency, _Mapping]] = ..., evicted: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

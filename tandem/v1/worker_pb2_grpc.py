@@ -111,6 +111,133 @@ class TokenStreamService:
             _registered_method=True)
 
 
+class ModelServiceStub:
+    """Every worker with a model catalogue: loads, pins and unloads models on the
+    scheduler's word (provisioning, replication, dropping a cold replica).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadModel = channel.unary_unary(
+                '/tandem.v1.ModelService/LoadModel',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/tandem.v1.ModelService/UnloadModel',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
+
+
+class ModelServiceServicer:
+    """Every worker with a model catalogue: loads, pins and unloads models on the
+    scheduler's word (provisioning, replication, dropping a cold replica).
+    """
+
+    def LoadModel(self, request, context):
+        """Loads a catalogue model (evicting least-recently-used idle models if the
+        memory budget needs it) and returns once it is resident; a load already in
+        progress is waited for, not repeated. NOT_FOUND for a name outside the
+        catalogue; RESOURCE_EXHAUSTED when it cannot fit even after evicting every
+        idle unpinned model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Unpins a model and evicts it if idle (a busy one goes when its requests end).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LoadModelRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadModelRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.UnloadModelResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.ModelService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.ModelService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ModelService:
+    """Every worker with a model catalogue: loads, pins and unloads models on the
+    scheduler's word (provisioning, replication, dropping a cold replica).
+    """
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.ModelService/LoadModel',
+            tandem_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.ModelService/UnloadModel',
+            tandem_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillServiceStub:
     """A prefill worker: computes a prompt's KV cache and its first token, then
     ships the KV to the reserved blocks of a decode worker (KvTransferService.Push).
