@@ -198,7 +198,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., heartbeat_age_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "num_blocks", "block_size", "max_model_len", "kv_block_bytes", "device", "load", "catalogue", "model_memory_bytes")
+    __slots__ = ("worker_id", "role", "address", "model", "num_blocks", "block_size", "max_model_len", "kv_block_bytes", "device", "load", "catalogue", "model_memory_bytes", "local_prefill")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CATALOGUE_FIELD_NUMBER: _ClassVar[int]
     MODEL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -223,7 +224,8 @@ class WorkerInfo(_message.Message):
     load: WorkerLoad
     catalogue: _containers.RepeatedScalarFieldContainer[str]
     model_memory_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., catalogue: _Optional[_Iterable[str]] = ..., model_memory_bytes: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., catalogue: _Optional[_Iterable[str]] = ..., model_memory_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class ModelResidency(_message.Message):
     __slots__ = ("name", "state", "pinned", "weight_bytes", "active_requests", "idle_ms")
