@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf9\x01\n\x0fKvRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x0c\n\x04lora\x18\t \x01(\t\"\xad\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.KvRequestHeader\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"s\n\x07PushAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x32\x45\n\x11KvTransferService\x12\x30\n\x04Push\x12\x12.tandem.v1.KvChunk\x1a\x12.tandem.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x88\x02\n\x0fKvRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x0c\n\x04lora\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\"\xad\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.KvRequestHeader\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"s\n\x07PushAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x32\x45\n\x11KvTransferService\x12\x30\n\x04Push\x12\x12.tandem.v1.KvChunk\x1a\x12.tandem.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVREQUESTHEADER']._serialized_start=67
-  _globals['_KVREQUESTHEADER']._serialized_end=316
-  _globals['_KVCHUNK']._serialized_start=319
-  _globals['_KVCHUNK']._serialized_end=492
-  _globals['_PUSHACK']._serialized_start=494
-  _globals['_PUSHACK']._serialized_end=609
-  _globals['_KVTRANSFERSERVICE']._serialized_start=611
-  _globals['_KVTRANSFERSERVICE']._serialized_end=680
+  _globals['_KVREQUESTHEADER']._serialized_end=331
+  _globals['_KVCHUNK']._serialized_start=334
+  _globals['_KVCHUNK']._serialized_end=507
+  _globals['_PUSHACK']._serialized_start=509
+  _globals['_PUSHACK']._serialized_end=624
+  _globals['_KVTRANSFERSERVICE']._serialized_start=626
+  _globals['_KVTRANSFERSERVICE']._serialized_end=695
 # @@protoc_insertion_point(module_scope)

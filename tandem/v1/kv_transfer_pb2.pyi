@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvRequestHeader(_message.Message):
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "seed", "cache_salt", "num_chunks", "cached_tokens", "timings", "lora")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "seed", "cache_salt", "num_chunks", "cached_tokens", "timings", "lora", "model")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class KvRequestHeader(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class KvRequestHeader(_message.Message):
     cached_tokens: int
     timings: _common_pb2.RequestTimings
     lora: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., lora: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("request_id", "header", "layer", "first_block", "num_blocks", "dtype", "shape", "data")

@@ -43,7 +43,7 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillRequest(_message.Message):
     DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -64,7 +65,8 @@ class PrefillRequest(_message.Message):
     decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
     max_chunk_bytes: int
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
     __slots__ = ("bytes", "blocks", "chunks", "duration_ms")
@@ -113,14 +115,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., transfer: _Optional[_Union[KvTransferStats, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "ttl_ms")
+    __slots__ = ("request_id", "num_tokens", "ttl_ms", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     ttl_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "free_blocks", "block_size")
@@ -145,20 +149,22 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released_blocks: _Optional[int] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "lora")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "lora", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
     cache_salt: str
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RunResponse(_message.Message):
     __slots__ = ("request_id", "queue_position")
