@@ -35,7 +35,6 @@ GRAFANA_IMAGE = "grafana/grafana:11.3.0"
 DASHBOARDS = "/var/lib/grafana/dashboards"
 GPU_IMAGE = "${TANDEM_IMAGE:-tandem:gpu}"
 CPU_IMAGE = "${TANDEM_CPU_IMAGE:-tandem:cpu}"
-SCHEDULER = f"scheduler:{SCHEDULER_PORT}"
 # The internal token, interpolated by compose from infra/.env: `docker compose up` stops with this
 # message when it is unset or empty. It is also Redis's password.
 INTERNAL_TOKEN = "${TANDEM_INTERNAL_TOKEN:?set TANDEM_INTERNAL_TOKEN in infra/.env}"
@@ -54,13 +53,18 @@ class Worker:
     def service(self) -> str:
         return f"{self.role.name}-{self.index}"
 
-    def command(self, device: str) -> list[str]:
+    def command(self, device: str, schedulers: str) -> list[str]:
         port = str(self.role.port)
         return [
             self.role.name, "--host", "0.0.0.0", "--port", port,
-            "--advertise", f"{self.service}:{port}", "--scheduler", SCHEDULER,
+            "--advertise", f"{self.service}:{port}", "--scheduler", schedulers,
             "--device", device, "--metrics-port", str(self.role.metrics_port),
         ]  # fmt: skip
+
+
+def scheduler_addresses(topology: Topology) -> str:
+    """What every gateway and worker is given as --scheduler: each replica's service, comma-separated."""
+    return ",".join(f"{name}:{SCHEDULER_PORT}" for name in topology.scheduler_names)
 
 
 def worker_containers(topology: Topology) -> list[Worker]:
@@ -164,7 +168,7 @@ class _Anchors:
     healthcheck: _Anchored
 
 
-def _anchors() -> _Anchors:
+def _anchors(topology: Topology) -> _Anchors:
     service = _Anchored("tandem", {
         "image": GPU_IMAGE,
         "build": {"context": "..", "dockerfile": "infra/docker/Dockerfile"},
@@ -179,7 +183,7 @@ def _anchors() -> _Anchors:
         MERGE: service,
         "depends_on": {
             "model-init": {"condition": "service_completed_successfully"},
-            "scheduler": {"condition": "service_healthy"},
+            **{name: {"condition": "service_healthy"} for name in topology.scheduler_names},
         },
     })  # fmt: skip
     environment = _Anchored("tandem-environment", {
@@ -248,31 +252,33 @@ def _model_init(anchors: _Anchors) -> dict:
     }
 
 
-def _scheduler(anchors: _Anchors) -> dict:
+def _scheduler(anchors: _Anchors, name: str) -> dict:
     command = ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT),
                "--metrics-port", str(SCHEDULER_METRICS_PORT)]  # fmt: skip
-    service = _tandem_service(anchors, anchors.service, "scheduler", command, SCHEDULER_PORT)
-    # By environment, not argument: the URL carries Redis's password.
+    service = _tandem_service(anchors, anchors.service, name, command, SCHEDULER_PORT)
+    # By environment, not argument: the URL carries Redis's password. Every replica shares the one
+    # Redis (the worker registry and the prefix index), which is what lets there be several.
     service["environment"]["TANDEM_REDIS_URL"] = f"redis://:{INTERNAL_TOKEN}@redis:6379/0"
     service["depends_on"] = {"redis": {"condition": "service_healthy"}}
     return service
 
 
-def _worker(anchors: _Anchors, worker: Worker) -> dict:
-    service = _tandem_service(anchors, anchors.worker, worker.service, worker.command("cuda:0"), worker.role.port)
+def _worker(anchors: _Anchors, worker: Worker, schedulers: str) -> dict:
+    command = worker.command("cuda:0", schedulers)
+    service = _tandem_service(anchors, anchors.worker, worker.service, command, worker.role.port)
     service["deploy"] = _gpu_reservation(worker.gpu)
     return service
 
 
-def _gateway(anchors: _Anchors, workers: list[Worker]) -> dict:
+def _gateway(anchors: _Anchors, topology: Topology, workers: list[Worker]) -> dict:
     command = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
-               "--http-port", str(GATEWAY_HTTP_PORT), "--scheduler", SCHEDULER]  # fmt: skip
+               "--http-port", str(GATEWAY_HTTP_PORT), "--scheduler", scheduler_addresses(topology)]  # fmt: skip
     service = _tandem_service(anchors, anchors.service, "gateway", command, GATEWAY_PORT)
     service["ports"] = [f"{GATEWAY_PORT}:{GATEWAY_PORT}", f"{GATEWAY_HTTP_PORT}:{GATEWAY_HTTP_PORT}"]
     service["networks"] = ["internal", "public"]
     service["depends_on"] = {
         "model-init": {"condition": "service_completed_successfully"},
-        "scheduler": {"condition": "service_healthy"},
+        **{name: {"condition": "service_healthy"} for name in topology.scheduler_names},
         **{w.service: {"condition": "service_healthy"} for w in workers},
     }
     return service
@@ -280,12 +286,13 @@ def _gateway(anchors: _Anchors, workers: list[Worker]) -> dict:
 
 def compose_document(topology: Topology) -> dict[str, Any]:
     """The compose file as data, anchors included (what `render_compose` writes)."""
-    anchors = _anchors()
+    anchors = _anchors(topology)
     workers = worker_containers(topology)
-    services = {"redis": _redis(), "jaeger": _jaeger(), "model-init": _model_init(anchors),
-                "scheduler": _scheduler(anchors)}  # fmt: skip
-    services.update({w.service: _worker(anchors, w) for w in workers})
-    services["gateway"] = _gateway(anchors, workers)
+    schedulers = scheduler_addresses(topology)
+    services = {"redis": _redis(), "jaeger": _jaeger(), "model-init": _model_init(anchors)}
+    services.update({name: _scheduler(anchors, name) for name in topology.scheduler_names})
+    services.update({w.service: _worker(anchors, w, schedulers) for w in workers})
+    services["gateway"] = _gateway(anchors, topology, workers)
     return {
         "name": "tandem",
         "x-tandem": anchors.service,
@@ -305,17 +312,21 @@ def cpu_override_document(topology: Topology) -> dict[str, Any]:
         "image": CPU_IMAGE,
         "build": {"context": "..", "dockerfile": "infra/docker/Dockerfile.cpu"},
     })  # fmt: skip
-    services: dict[str, Any] = {"model-init": {MERGE: cpu}, "scheduler": {MERGE: cpu}}
+    services: dict[str, Any] = {"model-init": {MERGE: cpu}}
+    services.update({name: {MERGE: cpu} for name in topology.scheduler_names})
+    schedulers = scheduler_addresses(topology)
     for worker in worker_containers(topology):
-        services[worker.service] = {MERGE: cpu, "command": _Flow(worker.command("cpu")), "deploy": RESET}
+        command = _Flow(worker.command("cpu", schedulers))
+        services[worker.service] = {MERGE: cpu, "command": command, "deploy": RESET}
     services["gateway"] = {MERGE: cpu}
     return {"x-tandem-cpu": cpu, "services": services}
 
 
 def _scrape_targets(topology: Topology) -> list[str]:
     """Every service's /metrics: the gateway's HTTP port, the others' metrics ports."""
+    schedulers = [f"{name}:{SCHEDULER_METRICS_PORT}" for name in topology.scheduler_names]
     workers = [f"{w.service}:{w.role.metrics_port}" for w in worker_containers(topology)]
-    return [f"gateway:{GATEWAY_HTTP_PORT}", f"scheduler:{SCHEDULER_METRICS_PORT}", *workers]
+    return [f"gateway:{GATEWAY_HTTP_PORT}", *schedulers, *workers]
 
 
 def _prometheus_config(topology: Topology) -> str:
@@ -378,14 +389,16 @@ def render_monitoring(topology: Topology) -> str:
 
 
 def _command_line(topology: Topology, cpu: bool) -> str:
-    flags = " --cpu" if cpu else ""
+    flags = f" --schedulers {topology.schedulers}" if topology.schedulers > 1 else ""
+    flags += " --cpu" if cpu else ""
     return f"tandem deploy compose --prefill {topology.prefill} --decode {topology.decode}{flags}"
 
 
 def render_compose(topology: Topology) -> str:
     workers = "worker" if topology.num_gpus == 2 else "workers"
+    schedulers = f"{topology.schedulers} schedulers sharing redis" if topology.schedulers > 1 else "the scheduler"
     header = f"""\
-# Tandem with docker compose: redis, jaeger, the scheduler, the gateway, {topology.prefill} prefill and
+# Tandem with docker compose: redis, jaeger, {schedulers}, the gateway, {topology.prefill} prefill and
 # {topology.decode} decode {workers}, one GPU each ({topology.num_gpus} GPUs). See infra/README.md.
 #
 #   cp infra/.env.example infra/.env     # then set the secrets in infra/.env
@@ -433,6 +446,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     compose.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="prefill workers (default 1)")
     compose.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="decode workers (default 1)")
+    compose.add_argument("--schedulers", type=_positive_int, default=1, metavar="N",
+                         help="scheduler replicas sharing the Redis; every gateway and worker lists them all (default 1)")
     compose.add_argument(
         "--cpu",
         action="store_true",
@@ -516,7 +531,7 @@ def _main_kubernetes(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     if args.deploy_target == "kubernetes":
         return _main_kubernetes(args)
-    topology = Topology(args.prefill, args.decode)
+    topology = Topology(args.prefill, args.decode, args.schedulers)
     if args.cpu and args.monitoring:
         print("tandem deploy compose: --cpu and --monitoring write different files; give one", file=sys.stderr)
         return 2
@@ -527,5 +542,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     args.output.write_text(text, encoding="utf-8")
     uses = "no GPU" if args.cpu or args.monitoring else f"GPUs 0-{topology.num_gpus - 1}"
-    print(f"wrote {args.output} ({topology.prefill} prefill + {topology.decode} decode, {uses})", file=sys.stderr)
+    replicas = f", {topology.schedulers} schedulers" if topology.schedulers > 1 else ""
+    print(f"wrote {args.output} ({topology.prefill} prefill + {topology.decode} decode{replicas}, {uses})",
+          file=sys.stderr)
     return 0

@@ -26,17 +26,28 @@ PREFILL = Role("prefill", 50061, 9103)
 DECODE = Role("decode", 50071, 9104)
 
 
+def scheduler_name(index: int) -> str:
+    """The `index`-th scheduler replica's name: "scheduler", then "scheduler-1", ... (as `tandem up`)."""
+    return f"scheduler-{index}" if index else "scheduler"
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """How many workers of each role; prefill workers take the first GPUs, decode the next."""
+    """How many workers of each role, and scheduler replicas; prefill workers take the first GPUs,
+    decode the next. The replicas share Redis, and every gateway and worker is given them all."""
 
     prefill: int = 1
     decode: int = 1
+    schedulers: int = 1
 
     def __post_init__(self) -> None:
-        for role, count in (("prefill", self.prefill), ("decode", self.decode)):
+        for flag, count in (("prefill", self.prefill), ("decode", self.decode), ("schedulers", self.schedulers)):
             if count < 1:
-                raise ValueError(f"--{role} must be at least 1, got {count}")
+                raise ValueError(f"--{flag} must be at least 1, got {count}")
+
+    @property
+    def scheduler_names(self) -> list[str]:
+        return [scheduler_name(i) for i in range(self.schedulers)]
 
     @property
     def num_gpus(self) -> int:
