@@ -43,7 +43,7 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora", "model")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora", "model", "decode_reused_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class PrefillRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -66,7 +67,8 @@ class PrefillRequest(_message.Message):
     max_chunk_bytes: int
     lora: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    decode_reused_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., decode_reused_blocks: _Optional[int] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
     __slots__ = ("bytes", "blocks", "chunks", "duration_ms")
@@ -115,26 +117,34 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., transfer: _Optional[_Union[KvTransferStats, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "ttl_ms", "model")
+    __slots__ = ("request_id", "num_tokens", "ttl_ms", "model", "token_ids", "cache_salt", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     ttl_ms: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "free_blocks", "block_size")
+    __slots__ = ("block_ids", "free_blocks", "block_size", "reused_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     free_blocks: int
     block_size: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    reused_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reused_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
