@@ -26,9 +26,29 @@ class WorkerRole(StrEnum):
     COLOCATED = "colocated"
 
 
+class ModelState(StrEnum):
+    """Where a model is in its life on a worker (mirrors tandem.v1.ModelState)."""
+
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelResidency:
+    """One model a worker holds or is loading (mirrors tandem.v1.ModelResidency)."""
+
+    name: str
+    state: ModelState = ModelState.RESIDENT
+    pinned: bool = False
+    weight_bytes: int = 0
+    active_requests: int = 0
+    idle_ms: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """A worker's load at its last heartbeat (mirrors tandem.v1.WorkerLoad)."""
+    """A worker's load at its last heartbeat (mirrors tandem.v1.WorkerLoad). `models`: empty for a
+    worker that reports no residency (a one-model worker, which holds its WorkerInfo.model)."""
 
     free_blocks: int = 0
     cached_blocks: int = 0
@@ -36,6 +56,8 @@ class WorkerLoad:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     reserved_blocks: int = 0
+    models: tuple[ModelResidency, ...] = ()
+    free_model_memory_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +73,9 @@ class WorkerInfo:
     max_model_len: int = 0
     kv_block_bytes: int = 0
     device: str = "cpu"
+    catalogue: tuple[str, ...] = ()  # every model it may serve; empty: `model` alone
+    model_memory_bytes: int = 0
+    local_prefill: bool = False  # a decode worker that also serves Run (tandem decode --hybrid)
 
 
 @dataclass(frozen=True, slots=True)

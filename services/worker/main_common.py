@@ -127,6 +127,7 @@ class RoleSpec:
     make_servicer: Callable[[WorkerConfig, ChannelPool, asyncio.Future[WorkerRuntime]], WorkerServicerBase]
     services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
     report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
+    local_prefill: bool = False  # a decode worker that also serves Run (WorkerInfo.local_prefill)
     max_receive_bytes: int = CONTROL_MESSAGE_BYTES  # MAX_MESSAGE_BYTES where KV chunks arrive
 
 
@@ -293,6 +294,7 @@ async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Fu
         address=address,
         model=model_name(model_dir),
         device=config.device,
+        local_prefill=spec.local_prefill,
     )
     schedulers = [channels.get(address) for address in config.scheduler]
     runtime = WorkerRuntime(engine, identity, schedulers, channels.metadata, ServiceMetrics(identity.model, address),

@@ -45,6 +45,7 @@ class WorkerIdentity:
     address: str  # advertised HOST:PORT
     model: str
     device: str
+    local_prefill: bool = False  # a decode worker that also serves Run (WorkerInfo.local_prefill)
 
 
 class WorkerRuntime:
@@ -267,6 +268,7 @@ class WorkerRuntime:
             max_model_len=engine.max_model_len,
             kv_block_bytes=engine.cache.block_bytes,
             device=self.identity.device,
+            local_prefill=self.identity.local_prefill,
         )
 
     def load(self) -> scheduler_pb2.WorkerLoad:
