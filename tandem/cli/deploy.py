@@ -470,6 +470,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_kubernetes_arguments(parser: argparse.ArgumentParser) -> None:
     for role in ("gateway", "prefill", "decode"):
         parser.add_argument(f"--{role}", type=_positive_int, metavar="N", help=f"{role} replicas (default 1)")
+    parser.add_argument("--schedulers", type=_positive_int, metavar="N",
+                        help="scheduler replicas (default 1): a StatefulSet sharing the Redis, each replica named "
+                        "tandem-scheduler-I.tandem-scheduler, every gateway and worker given them all")
     parser.add_argument("--profile", choices=[p.value for p in kubernetes.Profile],
                         help="gpu: one nvidia.com/gpu per worker pod (default); cpu: workers on the CPU")
     parser.add_argument("--image", help="the Tandem image, in a registry the cluster can pull from "
@@ -498,6 +501,8 @@ def kubernetes_spec(args: argparse.Namespace) -> kubernetes.KubernetesSpec:
         if not isinstance(values, dict):
             raise ValueError(f"{args.values}: expected a mapping of settings, got {type(values).__name__}")
     replicas = {role: getattr(args, role) for role in ("gateway", "prefill", "decode") if getattr(args, role)}
+    if args.schedulers:
+        replicas["scheduler"] = args.schedulers
     values["replicas"] = {**values.get("replicas", {}), **replicas}
     for name in ("profile", "image", "placement", "service_type", "service_monitor"):
         if getattr(args, name) is not None:

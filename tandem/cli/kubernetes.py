@@ -37,8 +37,8 @@ UID = 10001  # the images' unprivileged user
 # A worker loads the model before it reports SERVING; the startup probe allows it 10 minutes.
 STARTUP_FAILURES, PROBE_PERIOD = 120, 5
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-ROLES = ("scheduler", "prefill", "decode", "gateway")  # each a Deployment with its own replica count
-SCHEDULER = f"tandem-scheduler:{SCHEDULER_PORT}"
+# Each with its own replica count: the schedulers a StatefulSet (a stable name per replica), the rest Deployments.
+ROLES = ("scheduler", "prefill", "decode", "gateway")
 
 
 class Placement(StrEnum):
@@ -79,8 +79,6 @@ class KubernetesSpec:
         for role, count in self.replicas.items():
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"replicas.{role} must be a whole number, at least 1, got {count!r}")
-        if self.replicas.get("scheduler", 1) != 1:
-            raise ValueError("replicas.scheduler must be 1: workers register with one scheduler")
         if self.service_type not in SERVICE_TYPES:
             raise ValueError(f"service_type must be one of {SERVICE_TYPES}, got {self.service_type!r}")
 
@@ -208,13 +206,15 @@ def _affinity(placement: Placement, component: str) -> dict[str, Any] | None:
     return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}}
 
 
-def _deployment(spec: KubernetesSpec, component: str, pod: dict[str, Any]) -> dict[str, Any]:
+def _workload(spec: KubernetesSpec, kind: str, component: str, pod: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """A Deployment or StatefulSet of `spec.count(component)` copies of `pod`."""
     return {
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": kind,
         "metadata": _metadata(component),
         "spec": {
             "replicas": spec.count(component),
+            **settings,
             "selector": {"matchLabels": _labels(component)},
             "template": {"metadata": {"labels": _labels(component)}, "spec": pod},
         },
@@ -278,7 +278,16 @@ def _redis() -> list[dict[str, Any]]:
     return [deployment, _service("redis", {"redis": REDIS_PORT})]
 
 
+def scheduler_addresses(spec: KubernetesSpec) -> str:
+    """What every gateway and worker is given as --scheduler: each replica's stable DNS name
+    (pod `tandem-scheduler-i` of the StatefulSet, under its headless Service), comma-separated."""
+    return ",".join(f"tandem-scheduler-{i}.tandem-scheduler:{SCHEDULER_PORT}" for i in range(spec.count("scheduler")))
+
+
 def _scheduler(spec: KubernetesSpec) -> list[dict[str, Any]]:
+    """The replicas share Redis (registry and prefix index); the gateways and workers call each by
+    its own name, so the Service is headless and publishes a replica's name before it is ready
+    (its callers skip a replica they cannot reach)."""
     ports = {"grpc": SCHEDULER_PORT, "metrics": SCHEDULER_METRICS_PORT}
     args = ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT),
             "--metrics-port", str(SCHEDULER_METRICS_PORT)]  # fmt: skip
@@ -287,20 +296,24 @@ def _scheduler(spec: KubernetesSpec) -> list[dict[str, Any]]:
     redis_url = f"redis://:$(TANDEM_INTERNAL_TOKEN)@tandem-redis:{REDIS_PORT}/0"
     container["env"].append({"name": "TANDEM_REDIS_URL", "value": redis_url})
     container["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
-    return [_deployment(spec, "scheduler", _pod(spec, "scheduler", container, model=False)),
-            _service("scheduler", ports)]  # fmt: skip
+    pod = _pod(spec, "scheduler", container, model=False)
+    # Pods tandem-scheduler-0, -1, ... start together (Parallel): none waits for another's readiness.
+    workload = _workload(spec, "StatefulSet", "scheduler", pod, serviceName="tandem-scheduler",
+                         podManagementPolicy="Parallel")
+    return [workload, _service("scheduler", ports, clusterIP="None", publishNotReadyAddresses=True)]
 
 
 def _worker(spec: KubernetesSpec, role: Role) -> list[dict[str, Any]]:
     ports = {"grpc": role.port, "metrics": role.metrics_port}
     device = "cuda:0" if spec.profile is Profile.GPU else "cpu"
     args = [role.name, "--host", "0.0.0.0", "--port", str(role.port), "--advertise", f"$(POD_IP):{role.port}",
-            "--scheduler", SCHEDULER, "--device", device, "--metrics-port", str(role.metrics_port)]  # fmt: skip
+            "--scheduler", scheduler_addresses(spec), "--device", device,
+            "--metrics-port", str(role.metrics_port)]  # fmt: skip
     container = _container(spec, role.name, args, ports)
     container["resources"] = _worker_resources(spec.profile)
     # Headless: peers reach a worker by the pod address it registers; the Service is for scraping.
     service = _service(role.name, ports, clusterIP="None")
-    return [_deployment(spec, role.name, _pod(spec, role.name, container, model=True)), service]
+    return [_workload(spec, "Deployment", role.name, _pod(spec, role.name, container, model=True)), service]
 
 
 def _worker_resources(profile: Profile) -> dict[str, Any]:
@@ -312,13 +325,13 @@ def _worker_resources(profile: Profile) -> dict[str, Any]:
 def _gateway(spec: KubernetesSpec) -> list[dict[str, Any]]:
     ports = {"grpc": GATEWAY_PORT, "http": GATEWAY_HTTP_PORT}
     args = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--http-port", str(GATEWAY_HTTP_PORT),
-            "--scheduler", SCHEDULER]  # fmt: skip
+            "--scheduler", scheduler_addresses(spec)]  # fmt: skip
     container = _container(spec, "gateway", args, ports)
     keys = {"secretKeyRef": {"name": API_KEYS_SECRET, "key": API_KEYS_KEY, "optional": True}}
     container["env"].append({"name": "TANDEM_API_KEYS", "valueFrom": keys})
     container["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
     service = _service("gateway", ports, type=spec.service_type)
-    return [_deployment(spec, "gateway", _pod(spec, "gateway", container, model=True)), service]
+    return [_workload(spec, "Deployment", "gateway", _pod(spec, "gateway", container, model=True)), service]
 
 
 def _service_monitor() -> dict[str, Any]:
@@ -369,6 +382,8 @@ def _file_name(component: str) -> str:
 def command_line(spec: KubernetesSpec) -> str:
     """The `tandem deploy kubernetes` invocation that renders `spec` (written into each file)."""
     flags = [f"--{role} {spec.count(role)}" for role in ("gateway", "prefill", "decode")]
+    if spec.count("scheduler") > 1:
+        flags.append(f"--schedulers {spec.count('scheduler')}")
     defaults = KubernetesSpec()
     for name in ("profile", "image", "placement", "service_type"):
         value = getattr(spec, name)

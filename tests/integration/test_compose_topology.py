@@ -7,6 +7,8 @@ loopback ports. The model-cache volume is the local model cache, GPU reservation
 `--device cuda:N` runs on the CPU; a stand-in OTLP collector plays Jaeger. Variables are
 interpolated from the env file, as compose does, and configs become local files. This proves the
 flags, variables and health checks written in the compose file are the ones the services accept.
+Each test runs on the checked-in file and on `tandem deploy compose --schedulers 2`'s (two scheduler
+replicas sharing the Redis, every gateway and worker listing both).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import grpc
 import pytest
 import yaml
 
+from tandem.cli import deploy
+from tandem.cli.topology import Topology
 from tests.compose_env import interpolate
 from tests.integration.compose_network import LISTEN_FLAGS, ComposeNetwork, open_network
 
@@ -253,12 +257,20 @@ class Deployment:
     api_key: str
 
 
-@pytest.fixture(scope="module")
-def deployment(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+COMPOSE_FILES = {
+    "checked-in": COMPOSE.read_text,
+    "schedulers-2": lambda: deploy.render_compose(Topology(schedulers=2)),
+}
+
+
+@pytest.fixture(scope="module", params=list(COMPOSE_FILES))
+def deployment(
+    request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     # infra/.env as a user writes it: .env.example with the secrets filled in.
     api_key = secrets.token_hex(16)
     env_file = _read_env_file(ENV_EXAMPLE) | {"TANDEM_API_KEYS": api_key, "TANDEM_INTERNAL_TOKEN": secrets.token_hex(8)}
-    document = interpolate(yaml.safe_load(COMPOSE.read_text()), env_file)
+    document = interpolate(yaml.safe_load(COMPOSE_FILES[request.param]()), env_file)
     services = document["services"]
     workdir = tmp_path_factory.mktemp("compose")
     # The model-cache volume is this machine's model cache, where the default model already is.
@@ -331,14 +343,21 @@ def test_the_api_key_from_the_env_file_is_enforced(deployment: Deployment) -> No
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_every_service_traces_to_jaeger_under_its_own_name(
+def test_every_scheduler_places_requests_and_every_service_traces_under_its_own_name(
     deployment: Deployment, greedy_run: list[Any]
 ) -> None:
     services = deployment.compose.services
+    schedulers = [name for name, service in services.items() if service.get("command", [""])[0] == "scheduler"]
+    # The gateway gives new requests to its schedulers in turn: one each, all greedy, all alike.
+    tokens = [token for response in greedy_run for token in response.token_ids]
+    for _ in schedulers:
+        assert [token for response in generate(deployment, PROMPT) for token in response.token_ids] == tokens
     expected = {
-        services[name]["environment"]["OTEL_SERVICE_NAME"]
-        for name in ("gateway", "scheduler", "prefill-0", "decode-0")
+        service["environment"]["OTEL_SERVICE_NAME"]
+        for name, service in services.items()
+        if "build" in service and name != "model-init"
     }
+    assert len(expected) == len(schedulers) + 3
     deadline = time.monotonic() + 15
     while not expected <= deployment.collector.span_counts.keys() and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -25,7 +25,7 @@ RENDERED = ROOT / "infra" / "kubernetes"
 VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 SPECS = [
     KubernetesSpec(),
-    KubernetesSpec(replicas={"gateway": 2, "scheduler": 1, "prefill": 3, "decode": 5}, placement=Placement.SEPARATE),
+    KubernetesSpec(replicas={"gateway": 2, "scheduler": 3, "prefill": 3, "decode": 5}, placement=Placement.SEPARATE),
     KubernetesSpec(profile=Profile.CPU, placement=Placement.ANY, service_type="LoadBalancer", service_monitor=False),
 ]
 
@@ -34,8 +34,12 @@ def objects(spec: KubernetesSpec) -> list[dict[str, Any]]:
     return [obj for group in kubernetes.kubernetes_objects(spec).values() for obj in group]
 
 
-def by_kind(spec: KubernetesSpec, kind: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in objects(spec) if o["kind"] == kind}
+def by_kind(spec: KubernetesSpec, *kinds: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects(spec) if o["kind"] in kinds}
+
+
+def workloads(spec: KubernetesSpec) -> dict[str, dict[str, Any]]:
+    return by_kind(spec, "Deployment", "StatefulSet")
 
 
 def validate(obj: dict[str, Any], version: str) -> None:
@@ -74,10 +78,11 @@ def test_the_command_writes_one_file_per_component_and_a_secret_on_request(tmp_p
 
 def test_values_file_and_flags_make_one_spec(tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
-    values.write_text("replicas: {prefill: 4, decode: 2}\nprofile: cpu\nplacement: separate\n")
-    args = _parser().parse_args(["kubernetes", "--values", str(values), "--decode", "6", "--image", "r.io/tandem:1"])
+    values.write_text("replicas: {prefill: 4, decode: 2, scheduler: 2}\nprofile: cpu\nplacement: separate\n")
+    args = _parser().parse_args(["kubernetes", "--values", str(values), "--decode", "6", "--image", "r.io/tandem:1",
+                                 "--schedulers", "3"])  # fmt: skip
     assert deploy.kubernetes_spec(args) == KubernetesSpec(
-        replicas={"gateway": 1, "scheduler": 1, "prefill": 4, "decode": 6},
+        replicas={"gateway": 1, "scheduler": 3, "prefill": 4, "decode": 6},
         profile=Profile.CPU, image="r.io/tandem:1", placement=Placement.SEPARATE,
     )  # fmt: skip
 
@@ -90,7 +95,7 @@ def test_values_file_and_flags_make_one_spec(tmp_path: Path) -> None:
         ({"replicas": {"decode": "two"}}, "replicas.decode must be a whole number, at least 1, got 'two'"),
         ({"replicas": {"redis": 2}}, "replicas: unknown roles ['redis']"),
         ({"replicas": 3}, "replicas must map roles to counts"),
-        ({"replicas": {"scheduler": 2}}, "replicas.scheduler must be 1"),
+        ({"replicas": {"scheduler": 0}}, "replicas.scheduler must be a whole number, at least 1, got 0"),
         ({"service_type": "Ingress"}, "service_type must be one of"),
         ({"gpus": 2}, "unknown values ['gpus']"),
         ({"profile": "tpu"}, "'tpu' is not a valid Profile"),
@@ -109,7 +114,9 @@ def test_a_bad_values_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().err == "tandem deploy kubernetes: replicas.decode must be a whole number, at least 1, got 0\n"
 
 
-@pytest.mark.parametrize(("option", "value"), [("--prefill", "0"), ("--gateway", "x"), ("--placement", "near")])
+@pytest.mark.parametrize(
+    ("option", "value"), [("--prefill", "0"), ("--gateway", "x"), ("--placement", "near"), ("--schedulers", "0")]
+)
 def test_bad_flags_exit_2(option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["kubernetes", option, value])
@@ -132,7 +139,7 @@ def test_every_manifest_follows_the_kubernetes_schema(spec: KubernetesSpec, vers
     checked = [o for o in objects(spec) if o["kind"] != "ServiceMonitor"]
     for obj in checked:
         validate(obj, version)
-    assert sorted(o["kind"] for o in checked) == ["Deployment"] * 5 + ["Service"] * 5
+    assert sorted(o["kind"] for o in checked) == ["Deployment"] * 4 + ["Service"] * 5 + ["StatefulSet"]
 
 
 @pytest.mark.parametrize(
@@ -160,14 +167,13 @@ def test_a_broken_manifest_fails_validation(mutate: Any, message: str) -> None:
 
 @pytest.mark.parametrize("spec", SPECS, ids=["default", "scaled", "cpu"])
 def test_replicas_per_role(spec: KubernetesSpec) -> None:
-    deployments = by_kind(spec, "Deployment")
-    assert {name: d["spec"]["replicas"] for name, d in deployments.items()} == {
+    assert {name: d["spec"]["replicas"] for name, d in workloads(spec).items()} == {
         "tandem-redis": 1, **{f"tandem-{role}": count for role, count in spec.replicas.items()}
     }
 
 
 def test_every_tandem_service_listens_on_all_interfaces_and_is_probed_on_grpc_health() -> None:
-    for name, deployment in by_kind(KubernetesSpec(), "Deployment").items():
+    for name, deployment in workloads(KubernetesSpec()).items():
         main = container(deployment)
         if name == "tandem-redis":
             assert main["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
@@ -180,7 +186,7 @@ def test_every_tandem_service_listens_on_all_interfaces_and_is_probed_on_grpc_he
 
 def test_the_internal_token_comes_from_the_secret_everywhere() -> None:
     ref = {"secretKeyRef": {"name": "tandem-internal", "key": "token"}}
-    for name, deployment in by_kind(KubernetesSpec(), "Deployment").items():
+    for name, deployment in workloads(KubernetesSpec()).items():
         pod = deployment["spec"]["template"]["spec"]
         for c in pod["containers"] + pod.get("initContainers", []):
             env = {e["name"]: e for e in c["env"]}
@@ -188,13 +194,13 @@ def test_the_internal_token_comes_from_the_secret_everywhere() -> None:
             if c["name"] != "model-init":
                 assert token["valueFrom"] == ref, (name, c["name"])
             assert all(ref["secretKeyRef"]["key"] not in str(e.get("value", "")) for e in c["env"])
-    scheduler = {e["name"]: e for e in container(by_kind(KubernetesSpec(), "Deployment")["tandem-scheduler"])["env"]}
+    scheduler = {e["name"]: e for e in container(workloads(KubernetesSpec())["tandem-scheduler"])["env"]}
     assert scheduler["TANDEM_REDIS_URL"]["value"] == "redis://:$(TANDEM_INTERNAL_TOKEN)@tandem-redis:6379/0"
 
 
 @pytest.mark.parametrize(("profile", "device", "gpus"), [(Profile.GPU, "cuda:0", 1), (Profile.CPU, "cpu", None)])
 def test_workers_take_one_gpu_each_in_the_gpu_profile(profile: Profile, device: str, gpus: int | None) -> None:
-    deployments = by_kind(KubernetesSpec(profile=profile), "Deployment")
+    deployments = workloads(KubernetesSpec(profile=profile))
     for role, port in (("prefill", 50061), ("decode", 50071)):
         main = container(deployments[f"tandem-{role}"])
         assert main["image"] == f"tandem:{profile}"
@@ -242,3 +248,22 @@ def test_the_gateway_is_the_only_service_with_a_type() -> None:
         "tandem-gateway": "LoadBalancer",
     }  # fmt: skip
     assert services["tandem-prefill"]["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_schedulers_are_a_stateful_set_each_replica_named_and_listed_by_every_gateway_and_worker(count: int) -> None:
+    spec = KubernetesSpec.from_values({"replicas": {"scheduler": count, "prefill": 2}})
+    scheduler = by_kind(spec, "StatefulSet")["tandem-scheduler"]
+    assert scheduler["spec"]["replicas"] == count
+    assert scheduler["spec"]["serviceName"] == "tandem-scheduler"
+    assert scheduler["spec"]["podManagementPolicy"] == "Parallel"
+    service = by_kind(spec, "Service")["tandem-scheduler"]["spec"]
+    assert (service["clusterIP"], service["publishNotReadyAddresses"]) == ("None", True)
+    assert service["selector"] == scheduler["spec"]["template"]["metadata"]["labels"]
+    env = {e["name"]: e.get("value") for e in container(scheduler)["env"]}
+    assert env["TANDEM_REDIS_URL"] == "redis://:$(TANDEM_INTERNAL_TOKEN)@tandem-redis:6379/0"
+    names = ",".join(f"tandem-scheduler-{i}.tandem-scheduler:50052" for i in range(count))
+    clients = {name: flag(container(w)["args"], "--scheduler") for name, w in workloads(spec).items()
+               if "--scheduler" in container(w).get("args", [])}  # fmt: skip
+    assert clients == {"tandem-prefill": names, "tandem-decode": names, "tandem-gateway": names}
+    assert ("--schedulers" in kubernetes.command_line(spec)) == (count > 1)
