@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\t\n\x07_prompt\"\xc0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08trace_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\n \x01(\x0b\x32\x19.tandem.v1.RequestTimingsB\r\n\x0bstop_reason\"\x13\n\x11ListModelsRequest\"\x80\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x03\x12\x10\n\x08owned_by\x18\x06 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xa3\x01\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\t\n\x07_prompt\"\xc0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08trace_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\n \x01(\x0b\x32\x19.tandem.v1.RequestTimingsB\r\n\x0bstop_reason\"\x13\n\x11ListModelsRequest\"\xac\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x03\x12\x10\n\x08owned_by\x18\x06 \x01(\t\x12\x10\n\x08resident\x18\x07 \x01(\x08\x12\x18\n\x10resident_workers\x18\x08 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xa3\x01\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=644
   _globals['_LISTMODELSREQUEST']._serialized_end=663
   _globals['_MODELCARD']._serialized_start=666
-  _globals['_MODELCARD']._serialized_end=794
-  _globals['_LISTMODELSRESPONSE']._serialized_start=796
-  _globals['_LISTMODELSRESPONSE']._serialized_end=854
-  _globals['_GENERATESERVICE']._serialized_start=857
-  _globals['_GENERATESERVICE']._serialized_end=1020
+  _globals['_MODELCARD']._serialized_end=838
+  _globals['_LISTMODELSRESPONSE']._serialized_start=840
+  _globals['_LISTMODELSRESPONSE']._serialized_end=898
+  _globals['_GENERATESERVICE']._serialized_start=901
+  _globals['_GENERATESERVICE']._serialized_end=1064
 # @@protoc_insertion_point(module_scope)

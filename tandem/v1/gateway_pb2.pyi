@@ -62,20 +62,24 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "max_model_len", "vocab_size", "has_chat_template", "created", "owned_by")
+    __slots__ = ("id", "max_model_len", "vocab_size", "has_chat_template", "created", "owned_by", "resident", "resident_workers")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     vocab_size: int
     has_chat_template: bool
     created: int
     owned_by: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
+    resident: bool
+    resident_workers: int
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., resident: _Optional[bool] = ..., resident_workers: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
