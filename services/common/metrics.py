@@ -101,6 +101,10 @@ class ServiceMetrics:
         self._request_success = Counter(
             "tandem:request_success_total", "Finished requests by finish reason.",
             (*LABELS, "finished_reason"), registry=self.registry)
+        self._prefill_placement = Counter(
+            "tandem:prefill_placement_total", "Requests started with a hybrid decode worker, by where they "
+            "prefilled (local: on it; remote: a prefill worker) and why.",
+            (*LABELS, "placement", "reason"), registry=self.registry)
 
     def request_success(self, finished_reason: str, model_name: str = "") -> Counter:
         """The success counter for one finish reason ("stop", "length", "abort"), under the request's
@@ -111,6 +115,11 @@ class ServiceMetrics:
     def request_queue_time(self, model_name: str = "") -> Histogram:
         """The admission-wait histogram, labelled as `request_success` is."""
         return self._request_queue_time.labels(model_name=model_name or self.model_name, worker=self.worker)
+
+    def prefill_placement(self, placement: str, reason: str, model_name: str = "") -> Counter:
+        """The scheduler's count of one conditional-disaggregation outcome ("local"/"remote", and its reason)."""
+        return self._prefill_placement.labels(model_name=model_name or self.model_name, worker=self.worker,
+                                              placement=placement, reason=reason)
 
     def batch_policy(self, field: str) -> Gauge:
         """The gauge of one batching-policy field (max_num_batched_tokens, max_num_seqs, chunk_size, window_ms)."""

@@ -55,6 +55,13 @@ class Attr:
     TOKEN_ARRIVALS_MS = "tandem.token_arrivals_ms"  # each output token's arrival, ms after the span's start
     MIGRATION_FROM = "tandem.migration.from_worker"  # the generating worker of the attempt that ended
     MIGRATION_OFFSET = "tandem.migration.output_offset"  # tokens delivered before the continuation
+    # Conditional disaggregation (services/scheduler/prefill_placement.py), on the scheduler.route span:
+    PREFILL_PLACEMENT = "tandem.prefill.placement"  # "local" (on the decode worker) | "remote" (a prefill worker)
+    PREFILL_PLACEMENT_REASON = "tandem.prefill.placement_reason"  # prefill_placement.Reason
+    PREFILL_UNCACHED_TOKENS = "tandem.prefill.uncached_tokens"  # the decode worker's prefix hit taken off
+    PREFILL_QUEUED_TOKENS = "tandem.prefill.queued_tokens"  # prompt tokens queued on the decode worker before it
+    PREFILL_DECODE_RUNNING = "tandem.prefill.decode_running"  # sequences generating on the decode worker
+    PREFILL_PREDICTED_STEP_MS = "tandem.prefill.predicted_step_ms"  # its next step with the prefill, by its cost model
 
 
 class SpanName:

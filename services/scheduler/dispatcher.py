@@ -53,6 +53,7 @@ from services.scheduler.inflight import InflightTable, Placement, RequestState, 
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
+from services.scheduler.prefill_placement import PrefillPlacement
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import cached_tokens
 from services.scheduler.stats import Counters, Outcome, snapshot
@@ -72,8 +73,10 @@ class Dispatcher:
 
     def __init__(self, registry: WorkerRegistry, clients: WorkerClients, *, max_queue: int, max_running: int,
                  migration: bool = True, metrics: ServiceMetrics | None = None,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, placement: PrefillPlacement | None = None) -> None:
+        """`placement`: where a request with a hybrid decode worker prefills (none: the default policy)."""
         self.registry = registry
+        self.placement = placement or PrefillPlacement()
         self.clients = clients
         self.inflight = InflightTable()
         self.membership = Membership(registry, self.inflight, clients, max_running=max_running, spawn=self._spawn,
@@ -268,7 +271,7 @@ class Dispatcher:
         decode worker had room for it after all; True once it started, or its stream ended meanwhile."""
         self._check_fits(state)
         with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
-            plan = await plan_route(self.registry, self.inflight, state.placement.request)
+            plan = await plan_route(self.registry, self.inflight, state.placement.request, self.placement)
             if state.ending.closed:
                 return True
             self._assign_prefill(state, plan)
@@ -285,6 +288,10 @@ class Dispatcher:
             span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
                                  Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
                                  Attr.ROUTE_SCORES: plan.scores_json()})
+            if plan.placement is not None:
+                span.set_attributes(plan.placement.span_attributes())
+                self._metrics.prefill_placement(plan.placement.site, plan.placement.reason,
+                                                state.request.model).inc()
         if state.ending.closed:
             return True
         self.inflight.advance(state, Status.PREFILLING)

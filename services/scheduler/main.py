@@ -19,6 +19,7 @@ from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.prefill_placement import PlacementPolicy, PrefillPlacement
 from services.scheduler.registry import LISTING_REUSE_S, WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
@@ -60,6 +61,7 @@ class SchedulerConfig:
     slo_ttft_ms: float = 0.0
     slo_itl_ms: float = 0.0
     slo_context_tokens: int = 1024
+    local_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if (self.slo_ttft_ms > 0) != (self.slo_itl_ms > 0) or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
@@ -67,6 +69,8 @@ class SchedulerConfig:
                              f"got {self.slo_ttft_ms} and {self.slo_itl_ms}")
         if self.slo_context_tokens < 1:
             raise ValueError(f"--slo-context-tokens must be >= 1, got {self.slo_context_tokens}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens must be >= 0, got {self.local_prefill_tokens}")
         for flag, value in (("--batch-max-tokens", self.batch_max_tokens), ("--batch-max-seqs", self.batch_max_seqs),
                             ("--batch-chunk-size", self.batch_chunk_size)):
             if value < 0:
@@ -112,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="inter-token latency target: the token budget of a step that must finish within it (0: off)")
     add_option(parser, "--slo-context-tokens", type=int, default=1024,
                help="KV entries a decode token is taken to read when sizing a step for --slo-itl-ms")
+    add_option(parser, "--local-prefill-tokens", type=int, default=256,
+               help="a hybrid decode worker (tandem decode --hybrid) prefills a prompt itself when its uncached "
+                    "tokens, with those queued there, are at most this many; once the worker reports its "
+                    "step-cost model and --slo-itl-ms is set, the ITL target decides instead")
     internal_auth.add_arguments(parser)
 
 
@@ -121,6 +129,12 @@ def slo_policy(config: SchedulerConfig) -> SloPolicy | None:
         return None
     return SloPolicy(ttft_ms=config.slo_ttft_ms, itl_ms=config.slo_itl_ms, context_tokens=config.slo_context_tokens,
                      max_seqs_cap=config.max_running)
+
+
+def prefill_placement(config: SchedulerConfig) -> PrefillPlacement:
+    """Where a request with a hybrid decode worker prefills (services/scheduler/prefill_placement.py)."""
+    return PrefillPlacement(PlacementPolicy(itl_ms=config.slo_itl_ms, context_tokens=config.slo_context_tokens,
+                                            local_tokens=config.local_prefill_tokens))
 
 
 def batch_policy(config: SchedulerConfig) -> scheduler_pb2.BatchPolicy:
@@ -155,7 +169,8 @@ async def serve(config: SchedulerConfig) -> None:
     registry = WorkerRegistry(store, config.heartbeat_ttl,
                               listing_reuse_s=LISTING_REUSE_S if config.redis_url else 0.0)
     dispatcher = Dispatcher(registry, clients, max_queue=config.max_queue,
-                            max_running=config.max_running, migration=config.migration, metrics=metrics)
+                            max_running=config.max_running, migration=config.migration, metrics=metrics,
+                            placement=prefill_placement(config))
     server = create_server(config.host, config.port, internal_token=config.internal_token,
                            credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,

@@ -8,6 +8,7 @@ Before routing, room() tells admission whether a decode worker has room for the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,8 +18,9 @@ from services.common.block_hash import hash_chain
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable, WorkerLoads
+from services.scheduler.prefill_placement import PrefillDecision, PrefillInputs, PrefillPlacement, PrefillSite
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.router import Candidate, Score, blocks_for, rank_decode, rank_prefill
+from services.scheduler.router import Candidate, Score, blocks_for, cached_tokens, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
 
 RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, routing span), best first
@@ -26,17 +28,23 @@ RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, r
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    """Candidates best first: prefill (or colocated) and decode (empty when colocated)."""
+    """Candidates best first: prefill (or colocated) and decode (empty when colocated). `colocated`:
+    one worker prefills and generates (Run): a colocated worker, or a hybrid decode worker that
+    prefills locally, the only prefill candidate then. `placement`: the local-or-remote decision
+    when a hybrid decode worker was the choice (prefill_placement.py)."""
 
     colocated: bool
     prefill: list[Score]
     decode: list[Score]
     workers: dict[str, WorkerRecord]
     degraded: bool
+    placement: PrefillDecision | None = None
 
     def route_info(self, request_id: str, decode_worker_id: str, reserved_blocks: int) -> scheduler_pb2.RouteInfo:
         """The decision as recorded: the best prefill candidate, the decode worker that took the reservation."""
         prefill = self.prefill[0]
+        if self.placement is not None and self.placement.site is PrefillSite.LOCAL:
+            decode_worker_id = prefill.worker_id
         return scheduler_pb2.RouteInfo(
             request_id=request_id, prefill_worker_id=prefill.worker_id, decode_worker_id=decode_worker_id,
             matched_prefix_blocks=prefill.cached_blocks, reserved_blocks=reserved_blocks,
@@ -97,28 +105,60 @@ def _generators(records: Iterable[WorkerRecord], model: str) -> list[WorkerRecor
 
 
 async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
-                     request: scheduler_pb2.SubmitRequest) -> RoutePlan:
-    """Raises Unavailable when no live worker can serve the request's model."""
+                     request: scheduler_pb2.SubmitRequest, placement: PrefillPlacement | None = None) -> RoutePlan:
+    """Raises Unavailable when no live worker can serve the request's model. A hybrid decode worker
+    may be chosen to prefill locally (_place_prefill), by `placement` (none: the default policy, no
+    step-cost models)."""
     live = await registry.live_workers()
     records = [r for r in live if not request.model or r.info.model == request.model]
     colocated = _with_role(records, WorkerRole.COLOCATED)
     prefill = colocated or _with_role(records, WorkerRole.PREFILL)
     decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
-    if not prefill or not (colocated or decode):
+    if not (prefill or _local_prefill(decode)) or not (colocated or decode):
         raise Unavailable(f"request {request.request_id}: {_no_worker_message(request.model, live, prefill)}")
-    matched = await _prefix_matches(registry, request, prefill)
+    matched = await _prefix_matches(registry, request, prefill + _local_prefill(decode))
     degraded = registry.degraded
     prompt_tokens = len(request.token_ids)
     loads = inflight.loads()
     prefill_candidates = [_candidate(registry, loads, r, matched.get(r.info.worker_id, 0)) for r in prefill]
     decode_candidates = [_candidate(registry, loads, r) for r in decode]
-    return RoutePlan(
+    plan = RoutePlan(
         colocated=bool(colocated),
         prefill=rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded),
         decode=rank_decode(decode_candidates, prompt_tokens + 1),
         workers={r.info.worker_id: r for r in records},
         degraded=degraded,
     )
+    if colocated:
+        return plan
+    return _place_prefill(plan, placement or PrefillPlacement(), loads, matched, prompt_tokens)
+
+
+def _place_prefill(plan: RoutePlan, placement: PrefillPlacement, loads: WorkerLoads, matched: dict[str, int],
+                   prompt_tokens: int) -> RoutePlan:
+    """Where a disaggregated request prefills. The best ranked decode worker (with no prefill worker,
+    the best that can prefill) decides when it is hybrid: locally, it is the one worker of a Run
+    (its decode candidates kept for the record); remotely, the plan as it was. Otherwise the plan as it was."""
+    capable = [s for s in plan.decode if plan.workers[s.worker_id].info.local_prefill]
+    target = plan.decode[0] if plan.prefill else capable[0]
+    info = plan.workers[target.worker_id].info
+    if not info.local_prefill:
+        return plan
+    cached_blocks = matched.get(target.worker_id, 0)
+    queued = loads.queued_prefill_tokens(target.worker_id)
+    uncached = prompt_tokens - cached_tokens(cached_blocks, info.block_size, prompt_tokens)
+    decision = placement.decide(target.worker_id, PrefillInputs(
+        uncached_tokens=uncached, queued_tokens=queued, running=target.running, remote_available=bool(plan.prefill)))
+    if decision.site is PrefillSite.REMOTE:
+        return dataclasses.replace(plan, placement=decision)
+    local = Score(target.worker_id, float(uncached + queued), cached_blocks=cached_blocks,
+                  queued_prefill_tokens=queued, free_blocks=target.free_blocks, running=target.running)
+    return dataclasses.replace(plan, colocated=True, prefill=[local], placement=decision)
+
+
+def _local_prefill(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
+    """The decode workers that may prefill locally (tandem decode --hybrid)."""
+    return [r for r in records if r.info.local_prefill]
 
 
 def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[WorkerRecord]:

@@ -1,17 +1,16 @@
-"""Conditional disaggregation: prefill a request on a prefill worker, or on its decode worker.
+"""Conditional disaggregation: prefill a request on its decode worker (local) or on a prefill worker (remote).
 
-As Dynamo's disaggregated router does, a prompt whose uncached part is short prefills where it
-will decode (no KV hand-off), and a long one goes to a prefill worker so its prefill does not
-share steps with the decode worker's running sequences. With one step-cost model
-(services/common/step_cost.py) both choices get an estimated time to first token:
+Model: a local prefill shares the decode worker's steps with the sequences it is decoding, so it
+costs them inter-token latency, while a remote one costs a KV transfer and a prefill worker's
+queue. By the decode worker's step-cost model (services/common/step_cost.py), its next step with
+the prompt's uncached tokens and the prompt tokens already queued there (P in all) takes
 
-    local  = prefill_ms(queued prefill tokens on the decode worker) + prefill_ms(prompt - local prefix hit)
-    remote = prefill_ms(queued prefill tokens on the prefill worker) + prefill_ms(prompt - remote prefix hit)
-             + transfer_ms_per_token * prompt
+    step_ms(R + P new tokens, R * context + P * (P + 1) / 2 KV reads)     R: its running sequences
 
-The request prefills locally when its uncached part fits `max_local_prefill_tokens` (one policy
-chunk: a single step, which the token budget keeps under the ITL target) and local is not
-slower than remote; with no prefill worker it always prefills locally.
+about per_token_ms * P more than its decodes alone. When that stays within the ITL target
+(--slo-itl-ms) the request prefills locally and its KV never moves; otherwise a prefill worker
+takes it. Until the decode worker reports a cost model, or without an ITL target, the prompt-length
+rule stands in: locally when P is at most `local_tokens`. With no prefill worker, always locally.
 """
 
 from __future__ import annotations
@@ -20,59 +19,102 @@ import enum
 from dataclasses import dataclass
 
 from services.common.step_cost import StepCost
-from services.scheduler.batch_policy import prefill_ms
+from services.common.tracing import Attr
 
 
-class PrefillSite(enum.Enum):
+class PrefillSite(enum.StrEnum):
     LOCAL = "local"
     REMOTE = "remote"
 
 
+class Reason(enum.StrEnum):
+    """Why the site was chosen (the `reason` label of tandem:prefill_placement_total)."""
+
+    NO_PREFILL_WORKER = "no_prefill_worker"
+    WITHIN_ITL = "within_itl"  # the cost model's next step with the prefill meets the ITL target
+    OVER_ITL = "over_itl"
+    SHORT_PROMPT = "short_prompt"  # no cost model or no ITL target: the prompt-length rule
+    LONG_PROMPT = "long_prompt"
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillInputs:
-    prompt_tokens: int
-    local_hit_tokens: int
-    remote_hit_tokens: int
-    local_queued_tokens: int
-    remote_queued_tokens: int
-    remote_available: bool
+    """What the decision reads about one request and its decode worker."""
+
+    uncached_tokens: int  # prompt tokens the decode worker would compute (its prefix-cache hit taken off)
+    queued_tokens: int  # prompt tokens already queued to prefill on the decode worker
+    running: int  # sequences generating on the decode worker
+    remote_available: bool  # a live prefill worker serves the model
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.queued_tokens + self.uncached_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillDecision:
     site: PrefillSite
-    local_ttft_ms: float
-    remote_ttft_ms: float
+    reason: Reason
+    inputs: PrefillInputs
+    step_ms: float | None = None  # the predicted next step with the prefill (None: no cost model was used)
 
-    def span_attributes(self, inputs: PrefillInputs) -> dict[str, str | int | float | bool]:
+    def span_attributes(self) -> dict[str, str | int | float]:
         """The decision and what it was made from, for the routing span."""
-        return {"tandem.prefill.site": self.site.value, "tandem.prefill.local_ttft_ms": round(self.local_ttft_ms, 3),
-                "tandem.prefill.remote_ttft_ms": round(self.remote_ttft_ms, 3),
-                "tandem.prefill.prompt_tokens": inputs.prompt_tokens,
-                "tandem.prefill.local_hit_tokens": inputs.local_hit_tokens,
-                "tandem.prefill.remote_hit_tokens": inputs.remote_hit_tokens,
-                "tandem.prefill.local_queued_tokens": inputs.local_queued_tokens,
-                "tandem.prefill.remote_queued_tokens": inputs.remote_queued_tokens,
-                "tandem.prefill.remote_available": inputs.remote_available}
+        attributes: dict[str, str | int | float] = {
+            Attr.PREFILL_PLACEMENT: self.site.value, Attr.PREFILL_PLACEMENT_REASON: self.reason.value,
+            Attr.PREFILL_UNCACHED_TOKENS: self.inputs.uncached_tokens,
+            Attr.PREFILL_QUEUED_TOKENS: self.inputs.queued_tokens, Attr.PREFILL_DECODE_RUNNING: self.inputs.running}
+        if self.step_ms is not None:
+            attributes[Attr.PREFILL_PREDICTED_STEP_MS] = round(self.step_ms, 3)
+        return attributes
 
 
 @dataclass(frozen=True, slots=True)
-class PlacementModel:
-    cost: StepCost
-    chunk_size: int
-    max_local_prefill_tokens: int
-    transfer_ms_per_token: float
+class PlacementPolicy:
+    """`itl_ms`: the scheduler's --slo-itl-ms (0: none, the prompt-length rule decides);
+    `context_tokens`: KV entries a running decode reads (--slo-context-tokens); `local_tokens`:
+    the prompt-length rule's limit (--local-prefill-tokens)."""
 
-    def decide(self, inputs: PrefillInputs) -> PrefillDecision:
-        local = self._ttft(inputs.local_queued_tokens, inputs.prompt_tokens - inputs.local_hit_tokens)
-        remote = (self._ttft(inputs.remote_queued_tokens, inputs.prompt_tokens - inputs.remote_hit_tokens)
-                  + self.transfer_ms_per_token * inputs.prompt_tokens)
-        short = inputs.prompt_tokens - inputs.local_hit_tokens <= self.max_local_prefill_tokens
-        site = PrefillSite.LOCAL if not inputs.remote_available or (short and local <= remote) else PrefillSite.REMOTE
-        return PrefillDecision(site=site, local_ttft_ms=local, remote_ttft_ms=remote)
+    itl_ms: float = 0.0
+    context_tokens: int = 1024
+    local_tokens: int = 256
 
-    def _ttft(self, queued_tokens: int, uncached_tokens: int) -> float:
-        return self._prefill(queued_tokens) + self._prefill(max(1, uncached_tokens))
+    def __post_init__(self) -> None:
+        if self.itl_ms < 0 or self.context_tokens < 1 or self.local_tokens < 0:
+            raise ValueError(f"need itl_ms >= 0, context_tokens >= 1 and local_tokens >= 0, got {self}")
 
-    def _prefill(self, tokens: int) -> float:
-        return prefill_ms(self.cost, tokens, self.chunk_size) if tokens > 0 else 0.0
+    def decide(self, inputs: PrefillInputs, cost: StepCost | None) -> PrefillDecision:
+        if not inputs.remote_available:
+            return PrefillDecision(PrefillSite.LOCAL, Reason.NO_PREFILL_WORKER, inputs)
+        if cost is None or self.itl_ms <= 0:
+            short = inputs.prefill_tokens <= self.local_tokens
+            return PrefillDecision(PrefillSite.LOCAL if short else PrefillSite.REMOTE,
+                                   Reason.SHORT_PROMPT if short else Reason.LONG_PROMPT, inputs)
+        step = self.next_step_ms(cost, inputs)
+        within = step <= self.itl_ms
+        return PrefillDecision(PrefillSite.LOCAL if within else PrefillSite.REMOTE,
+                               Reason.WITHIN_ITL if within else Reason.OVER_ITL, inputs, step)
+
+    def next_step_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
+        """The decode worker's next step with its running decodes and the whole local prefill in it."""
+        prefill = inputs.prefill_tokens
+        return cost.step_ms(inputs.running + prefill,
+                            inputs.running * self.context_tokens + prefill * (prefill + 1) // 2)
+
+
+class PrefillPlacement:
+    """The policy, and the step-cost model each worker reported on its last heartbeat (none before
+    it has one): the scheduler's servicer observes them, routing decides with them."""
+
+    def __init__(self, policy: PlacementPolicy = PlacementPolicy()) -> None:
+        self.policy = policy
+        self._costs: dict[str, StepCost] = {}
+
+    def observe(self, worker_id: str, cost: StepCost | None) -> None:
+        if cost is None:
+            self._costs.pop(worker_id, None)
+        else:
+            self._costs[worker_id] = cost
+
+    def decide(self, worker_id: str, inputs: PrefillInputs) -> PrefillDecision:
+        return self.policy.decide(inputs, self._costs.get(worker_id))

@@ -58,19 +58,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
-        policy = self._slo_policy(request) if known else None
-        return scheduler_pb2.HeartbeatResponse(known=known, policy=policy)
+        if not known:
+            return scheduler_pb2.HeartbeatResponse(known=False)
+        cost = _step_cost(request.load)
+        self._dispatcher.placement.observe(request.worker_id, cost)
+        return scheduler_pb2.HeartbeatResponse(known=True, policy=self._slo_policy(request.worker_id, cost))
 
-    def _slo_policy(self, request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.BatchPolicy | None:
-        if self._slo is None or not request.load.HasField("step_cost"):
+    def _slo_policy(self, worker_id: str, cost: StepCost | None) -> scheduler_pb2.BatchPolicy | None:
+        if self._slo is None or cost is None:
             return None
-        block_size = next((r.info.block_size for r in self._registry.snapshot()
-                           if r.info.worker_id == request.worker_id), 0)
+        block_size = next((r.info.block_size for r in self._registry.snapshot() if r.info.worker_id == worker_id), 0)
         if block_size <= 0:
             return None
-        model = request.load.step_cost
-        numbers = self._slo.for_worker(StepCost(model.fixed_ms, model.per_token_ms, model.per_context_token_ms),
-                                       block_size)
+        numbers = self._slo.for_worker(cost, block_size)
         return scheduler_pb2.BatchPolicy(max_num_batched_tokens=numbers.max_num_batched_tokens,
                                          max_num_seqs=numbers.max_num_seqs, chunk_size=numbers.chunk_size,
                                          batch_window_ms=numbers.batch_window_ms)
@@ -91,3 +91,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def ReportTokens(self, request_iterator: AsyncIterator[scheduler_pb2.TokenBatch],
                            context) -> scheduler_pb2.ReportAck:
         return scheduler_pb2.ReportAck(batches=await self._dispatcher.streams.consume(request_iterator))
+
+
+def _step_cost(load: scheduler_pb2.WorkerLoad) -> StepCost | None:
+    """The step-cost model a heartbeat carries; None before the worker has fitted one."""
+    if not load.HasField("step_cost"):
+        return None
+    model = load.step_cost
+    return StepCost(model.fixed_ms, model.per_token_ms, model.per_context_token_ms)

@@ -1,48 +1,183 @@
-"""Conditional disaggregation: where a request prefills, from prompt length, prefix hits and queues."""
+"""Conditional disaggregation: the local-or-remote decision from a decode worker's step-cost model and
+the ITL target (or the prompt-length rule without them), and the planner's exact plans with a hybrid
+decode worker: a one-worker Run plan when it prefills locally, the disaggregated plan otherwise."""
+
+from __future__ import annotations
 
 import pytest
+from opentelemetry import trace
 
+from services.common.block_hash import hash_chain
+from services.common.errors import InvalidRequest, Unavailable
 from services.common.step_cost import StepCost
-from services.scheduler.prefill_placement import PlacementModel, PrefillInputs, PrefillSite
+from services.common.store import EmbeddedStore, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from services.scheduler.convert import info_from_pb
+from services.scheduler.deadline import Deadline
+from services.scheduler.ending import Ending
+from services.scheduler.inflight import InflightTable, Placement, RequestState
+from services.scheduler.planner import plan_route
+from services.scheduler.prefill_placement import (
+    PlacementPolicy,
+    PrefillDecision,
+    PrefillInputs,
+    PrefillPlacement,
+    PrefillSite,
+    Reason,
+)
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.router import Score
+from tandem.v1 import common_pb2, scheduler_pb2
 
-MODEL = PlacementModel(cost=StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0),
-                       chunk_size=256, max_local_prefill_tokens=256, transfer_ms_per_token=0.01)
-
-
-def inputs(prompt: int, local_hit: int = 0, remote_hit: int = 0, local_queue: int = 0, remote_queue: int = 0,
-           remote: bool = True) -> PrefillInputs:
-    return PrefillInputs(prompt_tokens=prompt, local_hit_tokens=local_hit, remote_hit_tokens=remote_hit,
-                         local_queued_tokens=local_queue, remote_queued_tokens=remote_queue, remote_available=remote)
-
-
-def test_short_prompt_prefills_locally() -> None:
-    decision = MODEL.decide(inputs(100))
-    assert decision.site is PrefillSite.LOCAL
-    assert decision.local_ttft_ms == pytest.approx(10 + 5)
-    assert decision.remote_ttft_ms == pytest.approx(10 + 5 + 1)
-
-
-def test_long_prompt_goes_to_the_prefill_worker() -> None:
-    assert MODEL.decide(inputs(1000)).site is PrefillSite.REMOTE
-
-
-def test_long_prompt_mostly_cached_locally_stays_local() -> None:
-    assert MODEL.decide(inputs(1000, local_hit=800)).site is PrefillSite.LOCAL
+BLOCK = 16
+COST = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.0)
+ITL = PlacementPolicy(itl_ms=50.0, context_tokens=1024, local_tokens=256)
 
 
-def test_short_prompt_behind_a_long_local_queue_goes_remote() -> None:
-    decision = MODEL.decide(inputs(100, local_queue=2000))
-    assert decision.site is PrefillSite.REMOTE
-    assert decision.local_ttft_ms == pytest.approx(8 * 10 + 100 + 15)
+def inputs(uncached: int, queued: int = 0, running: int = 0, remote: bool = True) -> PrefillInputs:
+    return PrefillInputs(uncached_tokens=uncached, queued_tokens=queued, running=running, remote_available=remote)
 
 
-def test_without_a_prefill_worker_everything_is_local() -> None:
-    assert MODEL.decide(inputs(5000, remote=False)).site is PrefillSite.LOCAL
+# -- the decision -----------------------------------------------------------------------------
+
+def test_a_prefill_whose_next_step_meets_the_itl_target_is_local() -> None:
+    # 10 + 0.1 * (4 running + 300 prompt tokens) = 40.4 ms <= 50 ms
+    assert ITL.decide(inputs(300, running=4), COST) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs(300, running=4), step_ms=pytest.approx(40.4))
 
 
-def test_span_attributes_name_the_decision_and_its_inputs() -> None:
-    given = inputs(100, local_hit=32)
-    attributes = MODEL.decide(given).span_attributes(given)
-    assert attributes["tandem.prefill.site"] == "local"
-    assert attributes["tandem.prefill.local_hit_tokens"] == 32
-    assert attributes["tandem.prefill.remote_available"] is True
+def test_a_prefill_that_would_stretch_the_next_step_past_the_itl_target_is_remote() -> None:
+    decision = ITL.decide(inputs(400, running=4), COST)  # 10 + 0.1 * 404 = 50.4 ms
+    assert (decision.site, decision.reason, decision.step_ms) == (PrefillSite.REMOTE, Reason.OVER_ITL,
+                                                                   pytest.approx(50.4))
+
+
+def test_prompt_tokens_queued_on_the_decode_worker_join_the_same_step() -> None:
+    decision = ITL.decide(inputs(300, queued=100, running=4), COST)  # 10 + 0.1 * 404
+    assert (decision.site, decision.reason) == (PrefillSite.REMOTE, Reason.OVER_ITL)
+
+
+def test_the_attention_term_counts_running_contexts_and_the_prefill_triangle() -> None:
+    cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.001)
+    # 10 + 0.1 * 102 + 0.001 * (2 * 1024 + 100 * 101 / 2) = 10 + 10.2 + 7.098
+    assert ITL.next_step_ms(cost, inputs(100, running=2)) == pytest.approx(27.298)
+
+
+def test_without_a_cost_model_or_an_itl_target_the_prompt_length_rule_decides() -> None:
+    assert ITL.decide(inputs(256), None).reason is Reason.SHORT_PROMPT
+    assert ITL.decide(inputs(257), None).reason is Reason.LONG_PROMPT
+    assert ITL.decide(inputs(200, queued=57), None).site is PrefillSite.REMOTE
+    no_target = PlacementPolicy(itl_ms=0.0, local_tokens=256)
+    assert no_target.decide(inputs(10, running=1000), COST) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.SHORT_PROMPT, inputs(10, running=1000))
+
+
+def test_with_no_prefill_worker_every_prompt_prefills_locally() -> None:
+    assert ITL.decide(inputs(10_000, running=64, remote=False), COST) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.NO_PREFILL_WORKER, inputs(10_000, running=64, remote=False))
+
+
+def test_the_decision_goes_on_the_span_with_its_inputs() -> None:
+    assert ITL.decide(inputs(300, queued=2, running=4), COST).span_attributes() == {
+        "tandem.prefill.placement": "local", "tandem.prefill.placement_reason": "within_itl",
+        "tandem.prefill.uncached_tokens": 300, "tandem.prefill.queued_tokens": 2,
+        "tandem.prefill.decode_running": 4, "tandem.prefill.predicted_step_ms": 40.6}
+
+
+def test_a_bad_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="local_tokens >= 0"):
+        PlacementPolicy(local_tokens=-1)
+
+
+def test_only_a_decode_worker_may_register_to_prefill_locally() -> None:
+    info = scheduler_pb2.WorkerInfo(worker_id="p-0", role=common_pb2.WORKER_ROLE_PREFILL, address="127.0.0.1:1",
+                                    model="smol", num_blocks=8, block_size=BLOCK, local_prefill=True)
+    with pytest.raises(InvalidRequest, match="only a decode worker prefills locally"):
+        info_from_pb(info)
+    info.role = common_pb2.WORKER_ROLE_DECODE
+    assert info_from_pb(info).local_prefill
+
+
+# -- through the planner --------------------------------------------------------------------------
+
+def record(worker_id: str, role: WorkerRole, local_prefill: bool = False, free_blocks: int = 1000) -> WorkerRecord:
+    info = WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{hash(worker_id) % 1000 + 41000}",
+                      model="smol", num_blocks=1000, block_size=BLOCK, local_prefill=local_prefill)
+    return WorkerRecord(info, WorkerLoad(free_blocks=free_blocks))
+
+
+PREFILL, HYBRID = record("p-0", WorkerRole.PREFILL), record("d-0", WorkerRole.DECODE, local_prefill=True)
+
+
+async def registry_with(*records: WorkerRecord) -> WorkerRegistry:
+    registry = WorkerRegistry(EmbeddedStore(), ttl=5.0)
+    for r in records:
+        await registry.register(r.info, r.load)
+    return registry
+
+
+def submit(tokens: list[int]) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(request_id="r", model="smol", token_ids=tokens)
+
+
+def short_rule(tokens: int = 32) -> PrefillPlacement:
+    return PrefillPlacement(PlacementPolicy(local_tokens=tokens))
+
+
+async def test_a_short_prompt_runs_on_the_hybrid_decode_worker_a_long_one_on_the_prefill_worker() -> None:
+    registry = await registry_with(PREFILL, HYBRID)
+    local = await plan_route(registry, InflightTable(), submit([7] * 32), short_rule())
+    assert local.colocated and local.prefill == [Score("d-0", 32.0, free_blocks=1000)]
+    assert (local.placement.site, local.placement.reason) == (PrefillSite.LOCAL, Reason.SHORT_PROMPT)
+    route = local.route_info("r", decode_worker_id="", reserved_blocks=0)
+    assert (route.prefill_worker_id, route.decode_worker_id) == ("d-0", "d-0")
+
+    remote = await plan_route(registry, InflightTable(), submit([7] * 33), short_rule())
+    assert not remote.colocated and remote.prefill == [Score("p-0", 33.0)]
+    assert [s.worker_id for s in remote.decode] == ["d-0"]
+    assert (remote.placement.site, remote.placement.reason) == (PrefillSite.REMOTE, Reason.LONG_PROMPT)
+
+
+async def test_the_decode_workers_prefix_hit_shortens_the_prompt_it_would_prefill() -> None:
+    registry = await registry_with(PREFILL, HYBRID)
+    prompt = list(range(500, 500 + 5 * BLOCK + 3))  # 83 tokens: too long for the rule without a hit
+    await registry.report_blocks("d-0", hash_chain(prompt, BLOCK)[:4], [])
+    plan = await plan_route(registry, InflightTable(), submit(prompt), short_rule())
+    assert plan.colocated and plan.prefill == [Score("d-0", 19.0, cached_blocks=4, free_blocks=1000)]
+    assert plan.placement.inputs == inputs(19)
+
+
+async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_decide() -> None:
+    registry = await registry_with(PREFILL, HYBRID)
+    placement = PrefillPlacement(PlacementPolicy(itl_ms=50.0, local_tokens=0))
+    placement.observe("d-0", StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.0))
+    plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)  # 10 + 30 = 40 ms
+    assert plan.colocated and (plan.placement.reason, plan.placement.step_ms) == (Reason.WITHIN_ITL, 40.0)
+
+    inflight = InflightTable()  # one request prefilling locally on d-0: 15 queued tokens, 1 running
+    queued = Placement(submit([1] * 15), colocated=True, prefill=HYBRID, uncached_tokens=15)
+    inflight.add(RequestState(queued.request, Deadline(), trace.INVALID_SPAN, Ending("q"), queued))
+    plan = await plan_route(registry, inflight, submit([7] * 30), placement)  # 10 + 1 + 15 + 30 = 56 ms
+    assert not plan.colocated and plan.prefill[0].worker_id == "p-0"
+    assert (plan.placement.reason, plan.placement.step_ms) == (Reason.OVER_ITL, 56.0)
+    assert plan.placement.inputs == inputs(30, queued=15, running=1)
+
+    placement.observe("d-0", None)  # the worker lost its model (restarted): the prompt-length rule again
+    plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)
+    assert plan.placement.reason is Reason.LONG_PROMPT
+
+
+async def test_a_decode_worker_without_hybrid_keeps_the_disaggregated_plan_undecided() -> None:
+    registry = await registry_with(PREFILL, record("d-1", WorkerRole.DECODE))
+    plan = await plan_route(registry, InflightTable(), submit([7] * 4), short_rule())
+    assert not plan.colocated and plan.placement is None and plan.prefill == [Score("p-0", 4.0)]
+
+
+async def test_without_a_prefill_worker_the_hybrid_decode_worker_prefills_everything() -> None:
+    roomier = record("d-1", WorkerRole.DECODE, free_blocks=1000)
+    registry = await registry_with(roomier, record("d-2", WorkerRole.DECODE, local_prefill=True, free_blocks=500))
+    plan = await plan_route(registry, InflightTable(), submit([7] * 900), short_rule())
+    assert plan.colocated and [s.worker_id for s in plan.prefill] == ["d-2"]
+    assert plan.placement.reason is Reason.NO_PREFILL_WORKER
+
+    with pytest.raises(Unavailable, match="no live prefill \\(or colocated\\) worker serves model 'smol'"):
+        await plan_route(await registry_with(record("d-1", WorkerRole.DECODE)), InflightTable(), submit([7]))
