@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from services.common.block_hash import BlockHash
 from services.common.store import (
-    StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, leading_matches,
+    ModelResidency, ModelState, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, leading_matches,
 )
 
 # KEYS: worker hash. ARGV: load JSON, ttl ms. Renews only a worker that has not expired.
@@ -65,7 +65,10 @@ def _to_json(value: WorkerInfo | WorkerLoad) -> str:
 def _record(fields: dict[str, str]) -> WorkerRecord:
     info = json.loads(fields["info"])
     info["role"] = WorkerRole(info["role"])
-    return WorkerRecord(WorkerInfo(**info), WorkerLoad(**json.loads(fields["load"])))
+    info["catalogue"] = tuple(info.get("catalogue", ()))
+    load = json.loads(fields["load"])
+    load["models"] = tuple(ModelResidency(**{**m, "state": ModelState(m["state"])}) for m in load.get("models", ()))
+    return WorkerRecord(WorkerInfo(**info), WorkerLoad(**load))
 
 
 class RedisStore:

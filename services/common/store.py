@@ -47,8 +47,8 @@ class ModelResidency:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """A worker's load at its last heartbeat (mirrors tandem.v1.WorkerLoad). `models`: empty for a
-    worker that reports no residency (a one-model worker, which holds its WorkerInfo.model)."""
+    """A worker's load at its last heartbeat (mirrors tandem.v1.WorkerLoad). `models`: those it holds
+    or is loading (a worker without a catalogue reports none: it holds its WorkerInfo.model)."""
 
     free_blocks: int = 0
     cached_blocks: int = 0

@@ -1,6 +1,8 @@
-"""Routing one request: the live workers serving its model, their prefix matches for its block-hash
-chain (tenant salt included), their load with this scheduler's in-flight requests on top, ranked
-by the router's costs. Colocated workers, when any are live, take every request.
+"""Routing one request: the live workers serving its model under the placement policy
+(model_placement.py), their prefix matches for its block-hash chain (tenant salt included), their
+load with this scheduler's in-flight requests on top, ranked by the router's costs, holders of the
+model first unless none has room (model_placement.prefer_holders). Colocated workers, when any are live,
+take every request.
 
 Before routing, room() tells admission whether a decode worker has room for the request's KV now
 (its prompt and first token), only later, or never (more blocks than the largest worker holds).
@@ -19,6 +21,7 @@ from services.common.errors import InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable, WorkerLoads
 from services.scheduler.prefill_placement import PrefillDecision, PrefillInputs, PrefillPlacement, PrefillSite
+from services.scheduler.model_placement import catalogue, prefer_holders, serving
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Candidate, Score, blocks_for, cached_tokens, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
@@ -72,7 +75,7 @@ class Room(Enum):
 
 def room(registry: WorkerRegistry, inflight: InflightTable, request: scheduler_pb2.SubmitRequest) -> Room:
     """Colocated workers hold no reservation: they queue what they take, so only NOW or NEVER."""
-    generators = _generators(registry.snapshot(), request.model)
+    generators = _generators(registry, request.model)
     if not generators:
         return Room.NOW  # routing says there is no worker
     num_tokens = len(request.token_ids) + 1
@@ -89,7 +92,7 @@ def room(registry: WorkerRegistry, inflight: InflightTable, request: scheduler_p
 
 def never_fits(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest) -> InvalidRequest:
     """The error of a request whose room() is NEVER."""
-    generators = _generators(registry.snapshot(), request.model)
+    generators = _generators(registry, request.model)
     largest = max(generators, key=lambda r: r.info.num_blocks * r.info.block_size)
     prompt, block_size = len(request.token_ids), largest.info.block_size
     return InvalidRequest("token_ids", (
@@ -98,9 +101,9 @@ def never_fits(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest) -
         f"worker holds {largest.info.num_blocks}; shorten the prompt"))
 
 
-def _generators(records: Iterable[WorkerRecord], model: str) -> list[WorkerRecord]:
+def _generators(registry: WorkerRegistry, model: str) -> list[WorkerRecord]:
     """The workers that would hold the request's KV: colocated ones when any serve the model, else decode ones."""
-    records = [r for r in records if not model or r.info.model == model]
+    records = serving(registry.snapshot(), model, registry.placement)
     return _with_role(records, WorkerRole.COLOCATED) or _with_role(records, WorkerRole.DECODE)
 
 
@@ -110,7 +113,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     may be chosen to prefill locally (_place_prefill), by `placement` (none: the default policy, no
     step-cost models)."""
     live = await registry.live_workers()
-    records = [r for r in live if not request.model or r.info.model == request.model]
+    records = serving(live, request.model, registry.placement)
     colocated = _with_role(records, WorkerRole.COLOCATED)
     prefill = colocated or _with_role(records, WorkerRole.PREFILL)
     decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
@@ -122,11 +125,21 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     loads = inflight.loads()
     prefill_candidates = [_candidate(registry, loads, r, matched.get(r.info.worker_id, 0)) for r in prefill]
     decode_candidates = [_candidate(registry, loads, r) for r in decode]
+    workers = {r.info.worker_id: r for r in records}
+
+    def holders_first(scores: list[Score], room: list[str]) -> list[Score]:
+        by_id = {s.worker_id: s for s in scores}
+        order = prefer_holders([s.worker_id for s in scores], workers, request.model, room, registry.placement)
+        return [by_id[w] for w in order]
+
+    prefill_room = (_with_room(prefill_candidates, prompt_tokens + 1) if colocated  # a prefill worker holds no KV
+                    else [c.worker_id for c in prefill_candidates])
     plan = RoutePlan(
         colocated=bool(colocated),
-        prefill=rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded),
-        decode=rank_decode(decode_candidates, prompt_tokens + 1),
-        workers={r.info.worker_id: r for r in records},
+        prefill=holders_first(rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded), prefill_room),
+        decode=holders_first(rank_decode(decode_candidates, prompt_tokens + 1),
+                             _with_room(decode_candidates, prompt_tokens + 1)),
+        workers=workers,
         degraded=degraded,
     )
     if colocated:
@@ -161,6 +174,11 @@ def _local_prefill(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
     return [r for r in records if r.info.local_prefill]
 
 
+def _with_room(candidates: Iterable[Candidate], num_tokens: int) -> list[str]:
+    """The workers with the free KV blocks for `num_tokens` now."""
+    return [c.worker_id for c in candidates if c.free_blocks >= blocks_for(num_tokens, c.block_size)]
+
+
 def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[WorkerRecord]:
     return [r for r in records if r.info.role == role]
 
@@ -193,6 +211,6 @@ def _candidate(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecor
 
 def _no_worker_message(model: str, live: list[WorkerRecord], prefill: list[WorkerRecord]) -> str:
     missing = "decode" if prefill else "prefill (or colocated)"
-    served = sorted({r.info.model for r in live})
+    served = sorted({name for r in live for name in catalogue(r)})
     known = f"live workers serve {', '.join(map(repr, served))}" if served else "no worker is registered"
     return f"no live {missing} worker serves model {model!r} ({known}); start one or retry later"

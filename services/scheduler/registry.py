@@ -25,6 +25,11 @@ restarted, or this scheduler forgot it); other info may once the live record lap
 
 A decode worker that refused a Reserve for lack of blocks counts as full (no free blocks) until it
 reports its load again: its last report was too hopeful, and routing waits for a fresh one.
+
+The routing map (model -> the workers holding it, model_placement.py) is read from the workers'
+records: their catalogues from registration, their resident and loading models from each heartbeat,
+both kept in the store. A model this scheduler had loaded or unloaded (record_models) shows at once, here and in
+the store, before the worker's next heartbeat says so. `placement` is the policy routing applies.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from services.common.block_hash import BlockHash
 from services.common.errors import FailedPrecondition
-from services.common.store import Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord
+from services.common.store import ModelResidency, Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord
+from services.scheduler.model_placement import PlacementPolicy
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +62,9 @@ class WorkerRegistry:
     """`clock` (monotonic seconds) is injectable for tests; give the store the same one."""
 
     def __init__(self, store: Store, ttl: float, clock: Callable[[], float] = time.monotonic,
-                 listing_reuse_s: float = 0.0) -> None:
+                 listing_reuse_s: float = 0.0, placement: PlacementPolicy = PlacementPolicy.COST) -> None:
         self.store = store
+        self.placement = placement
         self._listing_reuse_s = listing_reuse_s
         self._listing: tuple[float, list[WorkerRecord]] | None = None  # (time.monotonic(), the store's workers)
         self.ttl = ttl
@@ -112,6 +119,22 @@ class WorkerRegistry:
             return None
         seen = self._seen[worker_id] = _Seen(record, self._clock())
         return seen
+
+    async def record_models(self, worker_id: str, resident: ModelResidency | None = None,
+                            gone: Iterable[str] = ()) -> None:
+        """A live worker answered a LoadModel (`resident` now, `gone` evicted for it) or an UnloadModel
+        (`gone`): laid over its last load report, here and in the store (renewing its entry, as its
+        heartbeat would). No-op for a worker that is not live."""
+        seen = self._fresh(worker_id) or self._adopt(worker_id)
+        if seen is None:
+            return
+        dropped = {*gone, *((resident.name,) if resident else ())}
+        kept = tuple(m for m in seen.record.load.models if m.name not in dropped)
+        load = replace(seen.record.load, models=kept + ((resident,) if resident else ()))
+        seen.record = WorkerRecord(seen.record.info, load)
+        self._live[worker_id] = seen.record
+        self._listing = None
+        await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
 
     async def _stored(self, worker_id: str) -> WorkerRecord | None:
         """The store's live record of the worker; None when it has none or is down."""

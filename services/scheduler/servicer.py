@@ -14,6 +14,7 @@ from services.common.step_cost import StepCost
 from services.scheduler import migration
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.model_loads import ModelLoads
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.SchedulerService"
@@ -87,6 +88,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         await self._registry.report_blocks(request.worker_id, [BlockHash(h) for h in request.stored],
                                            [BlockHash(h) for h in request.evicted], reset=request.reset)
         return scheduler_pb2.ReportBlocksResponse()
+
+    async def ProvisionModel(self, request: scheduler_pb2.ProvisionModelRequest,
+                             context) -> scheduler_pb2.ProvisionModelResponse:
+        if not request.model:
+            raise InvalidRequest("model", "must name a catalogue model")
+        if request.replicas < 0:
+            raise InvalidRequest("replicas", f"must be >= 0 (0 means 1), got {request.replicas}")
+        loads = ModelLoads(self._registry, self._dispatcher.clients)
+        return scheduler_pb2.ProvisionModelResponse(
+            worker_ids=await loads.provision(request.model, request.replicas or 1))
 
     async def ReportTokens(self, request_iterator: AsyncIterator[scheduler_pb2.TokenBatch],
                            context) -> scheduler_pb2.ReportAck:

@@ -29,6 +29,9 @@ class WorkerClients:
     def colocated(self, address: str) -> worker_pb2_grpc.ColocatedServiceStub:
         return worker_pb2_grpc.ColocatedServiceStub(self._channel(address))
 
+    def models(self, address: str) -> worker_pb2_grpc.ModelServiceStub:
+        return worker_pb2_grpc.ModelServiceStub(self._channel(address))
+
     def metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
         """For a call made on behalf of the request whose span is `span` (its child on the worker)."""
         pairs = inject_metadata(trace.set_span_in_context(span))
