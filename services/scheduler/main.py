@@ -19,6 +19,8 @@ from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.model_loads import ModelLoads
+from services.scheduler.model_placement import ModelPlacement, ReplicaRule
 from services.scheduler.prefill_placement import PlacementPolicy, PrefillPlacement
 from services.scheduler.registry import LISTING_REUSE_S, WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
@@ -43,7 +45,9 @@ class SchedulerConfig:
     (`x-tandem-internal-token`); internal_tls: mutual TLS with callers and workers (both None: open,
     only under --insecure-internal). migration: a request whose
     generating worker is lost goes on on another one (services/scheduler/migration.py). batch_*: the
-    batching policy every worker applies from its registration on (0: the worker keeps its own flag)."""
+    batching policy every worker applies from its registration on (0: the worker keeps its own flag).
+    placement: how models are placed on workers (services/scheduler/model_placement.py); under cost,
+    replicate_active and drop_idle_s say when a model is copied onto another worker or a copy dropped."""
 
     host: str = "127.0.0.1"
     port: int = 50052
@@ -61,12 +65,16 @@ class SchedulerConfig:
     slo_ttft_ms: float = 0.0
     slo_itl_ms: float = 0.0
     slo_context_tokens: int = 1024
+    placement: ModelPlacement = ModelPlacement.COST
+    replicate_active: int = 8
+    drop_idle_s: float = 120.0
     local_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if (self.slo_ttft_ms > 0) != (self.slo_itl_ms > 0) or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
             raise ValueError("--slo-ttft-ms and --slo-itl-ms go together, both > 0 (or both 0: no SLO policy), "
                              f"got {self.slo_ttft_ms} and {self.slo_itl_ms}")
+        self.replica_rule()  # raises on a bad threshold
         if self.slo_context_tokens < 1:
             raise ValueError(f"--slo-context-tokens must be >= 1, got {self.slo_context_tokens}")
         if self.local_prefill_tokens < 0:
@@ -83,6 +91,10 @@ class SchedulerConfig:
             raise ValueError(f"--heartbeat-ttl must be > 0 seconds, got {self.heartbeat_ttl}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be a port number (0 turns metrics off), got {self.metrics_port}")
+
+
+    def replica_rule(self) -> ReplicaRule:
+        return ReplicaRule(hot_active=self.replicate_active, cold_idle_ms=round(self.drop_idle_s * 1000))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +132,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="a hybrid decode worker (tandem decode --hybrid) prefills a prompt itself when its uncached "
                     "tokens, with those queued there, are at most this many; once the worker reports its "
                     "step-cost model and --slo-itl-ms is set, the ITL target decides instead")
+    add_option(parser, "--placement", type=ModelPlacement, choices=tuple(ModelPlacement), default=ModelPlacement.COST,
+               help="cost: models share workers and load on demand, hot ones copied onto more workers, cold copies "
+                    "dropped; latency: only provisioned models are served (tandem models provision NAME), never a "
+                    "cold start")
+    add_option(parser, "--replicate-active", type=int, default=8,
+               help="cost placement: copy a model onto another worker when each of its copies has this many "
+                    "requests queued or running")
+    add_option(parser, "--drop-idle-s", type=float, default=120.0,
+               help="cost placement: drop an unpinned copy of a model idle this long while another copy stays")
     internal_auth.add_arguments(parser)
 
 
@@ -166,8 +187,8 @@ async def serve(config: SchedulerConfig) -> None:
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     clients = WorkerClients(config.internal_token, config.internal_tls)
-    registry = WorkerRegistry(store, config.heartbeat_ttl,
-                              listing_reuse_s=LISTING_REUSE_S if config.redis_url else 0.0)
+    registry = WorkerRegistry(store, config.heartbeat_ttl, listing_reuse_s=LISTING_REUSE_S if config.redis_url else 0.0,
+                              placement=config.placement)
     dispatcher = Dispatcher(registry, clients, max_queue=config.max_queue,
                             max_running=config.max_running, migration=config.migration, metrics=metrics,
                             placement=prefill_placement(config))
@@ -179,12 +200,17 @@ async def serve(config: SchedulerConfig) -> None:
     try:
         await server.start()
         dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))
-        log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s, migration %s)",
-                 config.host, server.port, store.name, config.max_queue, config.max_running, config.heartbeat_ttl,
-                 "on" if config.migration else "off")
+        log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s, migration %s, "
+                 "%s placement)", config.host, server.port, store.name, config.max_queue, config.max_running,
+                 config.heartbeat_ttl, "on" if config.migration else "off", config.placement)
         ready = asyncio.create_task(serve_once_store_answers(store, server))
+        balancing = (asyncio.create_task(ModelLoads(registry, clients).keep_balanced(config.replica_rule(),
+                                                                                     config.heartbeat_ttl))
+                     if config.placement is ModelPlacement.COST else None)
         await server.run_until_signal()
         ready.cancel()
+        if balancing is not None:
+            balancing.cancel()
     finally:
         await dispatcher.close()
         await clients.close()

@@ -29,7 +29,7 @@ from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, ModelState, WorkerRecord, WorkerRole
 
 
-class PlacementPolicy(StrEnum):
+class ModelPlacement(StrEnum):
     COST = "cost"
     LATENCY = "latency"
 
@@ -101,13 +101,13 @@ def provisioned(records: Iterable[WorkerRecord], model: str) -> bool:
     return any((m := holding(r, model)) is not None and m.pinned for r in records)
 
 
-def serving(records: Sequence[WorkerRecord], model: str, policy: PlacementPolicy) -> list[WorkerRecord]:
+def serving(records: Sequence[WorkerRecord], model: str, policy: ModelPlacement) -> list[WorkerRecord]:
     """The workers a request for `model` may go to (every worker for an empty model name). Under
     LATENCY only the holders of a provisioned model: FailedPrecondition for one never provisioned."""
     if not model:
         return list(records)
     able = [r for r in records if can_serve(r, model)]
-    if policy is PlacementPolicy.COST:
+    if policy is ModelPlacement.COST:
         return able
     if able and not provisioned(able, model):
         raise FailedPrecondition(
@@ -132,14 +132,14 @@ def loader_order(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
 
 
 def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], model: str,
-                   room: Iterable[str], policy: PlacementPolicy) -> list[str]:
+                   room: Iterable[str], policy: ModelPlacement) -> list[str]:
     """`ranked` (worker ids, the router's order) reordered: the holders of `model` in that order, then
     (COST) the others in loader_order; those others first when no holder is in `room`. An empty
     model name keeps the router's order."""
     if not model:
         return list(ranked)
     holders = [w for w in ranked if holding(records[w], model) is not None]
-    if policy is PlacementPolicy.LATENCY:
+    if policy is ModelPlacement.LATENCY:
         return holders
     loaders = [r.info.worker_id for r in loader_order(records[w] for w in ranked if w not in holders)]
     return holders + loaders if set(holders) & set(room) else loaders + holders

@@ -103,7 +103,7 @@ def never_fits(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest) -
 
 def _generators(registry: WorkerRegistry, model: str) -> list[WorkerRecord]:
     """The workers that would hold the request's KV: colocated ones when any serve the model, else decode ones."""
-    records = serving(registry.snapshot(), model, registry.placement)
+    records = serving(registry.snapshot(), model, registry.model_placement)
     return _with_role(records, WorkerRole.COLOCATED) or _with_role(records, WorkerRole.DECODE)
 
 
@@ -113,7 +113,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     may be chosen to prefill locally (_place_prefill), by `placement` (none: the default policy, no
     step-cost models)."""
     live = await registry.live_workers()
-    records = serving(live, request.model, registry.placement)
+    records = serving(live, request.model, registry.model_placement)
     colocated = _with_role(records, WorkerRole.COLOCATED)
     prefill = colocated or _with_role(records, WorkerRole.PREFILL)
     decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
@@ -129,7 +129,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
 
     def holders_first(scores: list[Score], room: list[str]) -> list[Score]:
         by_id = {s.worker_id: s for s in scores}
-        order = prefer_holders([s.worker_id for s in scores], workers, request.model, room, registry.placement)
+        order = prefer_holders([s.worker_id for s in scores], workers, request.model, room, registry.model_placement)
         return [by_id[w] for w in order]
 
     prefill_room = (_with_room(prefill_candidates, prompt_tokens + 1) if colocated  # a prefill worker holds no KV

@@ -43,7 +43,7 @@ from typing import TypeVar
 from services.common.block_hash import BlockHash
 from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord
-from services.scheduler.model_placement import PlacementPolicy
+from services.scheduler.model_placement import ModelPlacement
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ class WorkerRegistry:
     """`clock` (monotonic seconds) is injectable for tests; give the store the same one."""
 
     def __init__(self, store: Store, ttl: float, clock: Callable[[], float] = time.monotonic,
-                 listing_reuse_s: float = 0.0, placement: PlacementPolicy = PlacementPolicy.COST) -> None:
+                 listing_reuse_s: float = 0.0, placement: ModelPlacement = ModelPlacement.COST) -> None:
         self.store = store
-        self.placement = placement
+        self.model_placement = placement
         self._listing_reuse_s = listing_reuse_s
         self._listing: tuple[float, list[WorkerRecord]] | None = None  # (time.monotonic(), the store's workers)
         self.ttl = ttl

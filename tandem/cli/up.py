@@ -55,6 +55,7 @@ class UpConfig:
     slo_ttft_ms: float = 0.0  # with slo_itl_ms: the scheduler sets each worker's batching policy (0: off)
     slo_itl_ms: float = 0.0
     schedulers: int = 1  # replicas; several share Redis (the workers report to each, the gateway spreads over them)
+    placement: str = "cost"  # the scheduler's --placement (services/scheduler/model_placement.py)
 
     @property
     def connect_host(self) -> str:
@@ -121,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time-to-first-token target, with --slo-itl-ms: the scheduler sets each worker's batching "
                              "policy from the step-cost model the worker measures (default 0: off)")
     parser.add_argument("--slo-itl-ms", type=float, default=0.0, help="inter-token latency target (default 0: off)")
+    parser.add_argument("--placement", choices=("cost", "latency"), default="cost",
+                        help="the scheduler's model placement: cost (models share workers, load on demand) or latency "
+                             "(only models provisioned with `tandem models provision` are served; default cost)")
     policy = RestartPolicy()
     parser.add_argument("--max-restarts", type=_non_negative, default=policy.max_restarts,
                         help="a service that exits is restarted with backoff; after this many restarts in a row "
@@ -297,9 +301,10 @@ class LocalSystem:
             self._env["TANDEM_REDIS_URL"] = redis_url
         slo = (["--slo-ttft-ms", str(self.config.slo_ttft_ms), "--slo-itl-ms", str(self.config.slo_itl_ms)]
                if self.config.slo_ttft_ms or self.config.slo_itl_ms else [])
+        placement = ["--placement", self.config.placement] if self.config.placement != "cost" else []
         ports = [(self._free_port(), self._free_port()) for _ in range(self.config.schedulers)]
         children = [self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port,
-                                  ["--metrics-port", str(metrics_port), *slo])
+                                  ["--metrics-port", str(metrics_port), *slo, *placement])
                     for i, (port, metrics_port) in enumerate(ports)]
         self._start_tier(children, stop)
         for child, (port, metrics_port) in zip(children, ports, strict=True):

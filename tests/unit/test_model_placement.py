@@ -9,11 +9,11 @@ import pytest
 from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, ModelState, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.model_placement import (
-    Action, ActionKind, PlacementPolicy, ReplicaRule, can_serve, coldest_idle_ms, loader_order, prefer_holders,
+    Action, ActionKind, ModelPlacement, ReplicaRule, can_serve, coldest_idle_ms, loader_order, prefer_holders,
     provisioned, rebalance, routing_map, serving,
 )
 
-COST, LATENCY = PlacementPolicy.COST, PlacementPolicy.LATENCY
+COST, LATENCY = ModelPlacement.COST, ModelPlacement.LATENCY
 GIB = 1 << 30
 CATALOGUE = ("a", "b", "c", "d")
 

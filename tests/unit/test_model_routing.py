@@ -20,7 +20,7 @@ from services.scheduler.convert import residency_to_pb
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.inflight import InflightTable
 from services.scheduler.model_loads import ModelLoads
-from services.scheduler.model_placement import Action, ActionKind, PlacementPolicy, ReplicaRule, routing_map
+from services.scheduler.model_placement import Action, ActionKind, ModelPlacement, ReplicaRule, routing_map
 from services.scheduler.planner import plan_route
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SchedulerServicer
@@ -46,7 +46,7 @@ def record(worker_id: str, *models: ModelResidency, role: WorkerRole = WorkerRol
 
 
 async def registry_with(*records: WorkerRecord, store: Store | None = None,
-                        placement: PlacementPolicy = PlacementPolicy.COST) -> WorkerRegistry:
+                        placement: ModelPlacement = ModelPlacement.COST) -> WorkerRegistry:
     registry = WorkerRegistry(store or EmbeddedStore(), ttl=5.0, placement=placement)
     for r in records:
         await registry.register(r.info, r.load)
@@ -90,7 +90,7 @@ async def test_disaggregated_prefill_and_decode_workers_both_serve_the_model() -
 async def test_latency_placement_refuses_an_unprovisioned_model_and_never_routes_to_a_loader() -> None:
     registry = await registry_with(record("c-0", resident("smol", pinned=True)), record("c-1", resident("chat")),
                                    record("c-2", resident("chat", pinned=True), free_blocks=1),
-                                   placement=PlacementPolicy.LATENCY)
+                                   placement=ModelPlacement.LATENCY)
     with pytest.raises(FailedPrecondition, match="^model 'code' is not provisioned: --placement latency serves only "
                                                  "provisioned models and never loads one for a request; provision it "
                                                  "first: tandem models provision code --replicas N$"):
