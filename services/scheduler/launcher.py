@@ -68,7 +68,8 @@ class Launcher:
         took it but one may make room: the request waits. Unavailable when every candidate tried
         was unreachable."""
         placement = state.placement
-        request = worker_pb2.ReserveRequest(request_id=placement.attempt_id, num_tokens=placement.prompt_tokens + 1)
+        request = worker_pb2.ReserveRequest(request_id=placement.attempt_id, num_tokens=placement.prompt_tokens + 1,
+                                            model=placement.request.model)
         unreachable: Unavailable | None = None
         short = False
         for score in plan.decode:
@@ -114,7 +115,8 @@ class Launcher:
         assert worker is not None
         request = worker_pb2.RunRequest(request_id=placement.attempt_id, token_ids=placement.request.token_ids,
                                         sampling=_sampling(state), seed=state.seed,
-                                        cache_salt=placement.request.cache_salt, lora=placement.request.lora)
+                                        cache_salt=placement.request.cache_salt, lora=placement.request.lora,
+                                        model=placement.request.model)
         await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
 
     def release(self, state: RequestState) -> None:
@@ -145,7 +147,8 @@ class Launcher:
         request = worker_pb2.PrefillRequest(
             request_id=placement.attempt_id, token_ids=placement.request.token_ids, sampling=_sampling(state),
             seed=state.seed, cache_salt=placement.request.cache_salt, decode_address=decode.info.address,
-            decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids, lora=placement.request.lora)
+            decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids, lora=placement.request.lora,
+            model=placement.request.model)
         try:
             timeout = state.deadline.timeout(PREFILL_TIMEOUT_S)
             response = await self.clients.prefill(prefill.info.address).Prefill(
