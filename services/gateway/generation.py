@@ -35,6 +35,7 @@ from services.gateway.attempt import Attempt
 from services.gateway import telemetry
 from services.gateway.client_errors import for_client
 from services.gateway.limits import RequestLimits
+from services.gateway.models import GatewayModels, LoadedModel, ModelEntry, read_residency
 from services.gateway.output import Chunk, OutputAssembler, OutputOptions
 from services.gateway.prompt_encoder import DEFAULT_THREADS, PromptEncoder
 from services.gateway.relay import Interrupted, Relay, restate_usage
@@ -226,7 +227,8 @@ class Generation:
 
 
 class GenerationPipeline:
-    """Starts generations for one served model against its schedulers and their workers.
+    """Starts generations for the gateway's models (`models`; `codec` and `model` are its primary
+    one's) against its schedulers and their workers.
 
     `start` does all validation and tokenization before anything goes upstream; the Submit call
     begins when the returned Generation is first iterated. `close()` when done with it.
@@ -242,11 +244,13 @@ class GenerationPipeline:
         metrics: ServiceMetrics | None = None,
         limits: RequestLimits = RequestLimits(),
         tokenizer_threads: int = DEFAULT_THREADS,
+        models: GatewayModels | None = None,
     ) -> None:
         self.codec = codec
         self.model = model
+        self.models = models or GatewayModels(LoadedModel(model, codec))
         self.limits = limits
-        self._encoder = PromptEncoder(codec, tokenizer_threads)
+        self._encoder = PromptEncoder(tokenizer_threads)
         self._upstream = upstream if isinstance(upstream, Upstream) else Upstream([upstream])
         self._internal_token = internal_token
         self._tracer = tracer or trace.get_tracer(__name__)
@@ -258,27 +262,39 @@ class GenerationPipeline:
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids as `start` would submit them (validated as there). InvalidRequest or NotFound."""
-        field = validate_request(request, self.model, self.limits)
-        return await self._encoder.encode(request, field)
+        loaded = await self.models.for_request(request.model)
+        field = validate_request(request, loaded.model, self.limits)
+        return await self._encoder.encode(request, field, loaded.codec)
+
+    async def model_entries(self) -> list[ModelEntry]:
+        """Every model and adapter the gateway serves, with how many workers hold each loaded now."""
+        return await self.models.entries(await read_residency(self._upstream, self._internal_metadata()))
+
+    async def model_entry(self, served_name: str) -> ModelEntry:
+        """One of `model_entries()`; NotFound naming the served ones for any other name."""
+        await self.models.for_request(served_name)  # an unknown name fails before asking the scheduler
+        return await self.models.entry(served_name, await read_residency(self._upstream, self._internal_metadata()))
 
     async def start(self, request: GenerationRequest, timeout: float) -> Generation:
         """Validate, tokenize and open the request's span. Raises InvalidRequest or NotFound."""
-        field = validate_request(request, self.model, self.limits)
-        prompt_token_ids = await self._encoder.encode(request, field)
+        loaded = await self.models.for_request(request.model)
+        model = loaded.model
+        field = validate_request(request, model, self.limits)
+        prompt_token_ids = await self._encoder.encode(request, field, loaded.codec)
         if request.max_tokens_to_context:
-            room = max(1, self.model.max_model_len - len(prompt_token_ids))
+            room = max(1, model.max_model_len - len(prompt_token_ids))
             request.sampling = dataclasses.replace(request.sampling, max_tokens=room)
-        check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, self.model)
+        check_prompt_length(field, len(prompt_token_ids), request.sampling.max_tokens, model)
         request_id = request.request_id or new_request_id()
         timings = TokenTimings()  # TTFT and latencies count from the span's start
-        attributes = self._span_attributes(request, request_id)
-        name = gateway_span_name(str(attributes[Attr.GEN_AI_OPERATION_NAME]), self.model.name)
+        attributes = self._span_attributes(request, request_id, model.name)
+        name = gateway_span_name(str(attributes[Attr.GEN_AI_OPERATION_NAME]), model.name)
         span = self._tracer.start_span(name, kind=trace.SpanKind.SERVER, start_time=timings.start_ns,
                                        attributes=attributes)
         trace_id = format(span.get_span_context().trace_id, "032x")
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
-            model=self.model.name,
+            model=model.name,
             token_ids=prompt_token_ids,
             sampling=sampling_to_proto(request.sampling),
             cache_salt=request.cache_salt,
@@ -291,25 +307,26 @@ class GenerationPipeline:
                                 request.skip_special_tokens, request.prompt_only)
         return Generation(
             request_id, trace_id, prompt_token_ids, self._upstream, submit, metadata, time.monotonic() + timeout,
-            OutputAssembler(self.codec, options, prompt_token_ids),
+            OutputAssembler(loaded.codec, options, prompt_token_ids),
             span,
             timings,
             self._metrics,
         )
 
     def _metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
-        pairs = inject_metadata(trace.set_span_in_context(span))
-        if self._internal_token:
-            pairs.append((INTERNAL_TOKEN_KEY, self._internal_token))
-        return tuple(pairs)
+        return (*inject_metadata(trace.set_span_in_context(span)), *self._internal_metadata())
 
-    def _span_attributes(self, request: GenerationRequest, request_id: str) -> dict[str, str | int | float]:
+    def _internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((INTERNAL_TOKEN_KEY, self._internal_token),) if self._internal_token else ()
+
+    def _span_attributes(self, request: GenerationRequest, request_id: str,
+                         model: str) -> dict[str, str | int | float]:
         sampling = request.sampling
         attributes: dict[str, str | int | float] = {
             Attr.REQUEST_ID: request_id,
-            **telemetry.start_attributes(self.model.name, request.served_at),
+            **telemetry.start_attributes(model, request.served_at),
             Attr.GEN_AI_OPERATION_NAME: "chat" if request.messages is not None else "text_completion",
-            Attr.GEN_AI_REQUEST_MODEL: self.model.name,
+            Attr.GEN_AI_REQUEST_MODEL: model,
             Attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,
             Attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
             Attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,

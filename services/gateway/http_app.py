@@ -26,19 +26,21 @@ from pydantic import ValidationError
 
 from services.common.auth import presented_secret, secret_matches
 from services.common.config import add_option, from_args, parse_size
-from services.common.errors import DEFAULT_RETRY_AFTER_S, InvalidRequest, Unauthenticated, retry_metadata
+from services.common.errors import DEFAULT_RETRY_AFTER_S, InvalidRequest, NotFound, Unauthenticated, retry_metadata
 from services.common.metrics import render_metrics
+from services.common.tokenizer import TextCodec
 from services.common.wire import DEFAULT_MAX_TOKENS
 from services.gateway import sse
 from services.gateway.choices import ChoiceSet
 from services.gateway.generation import GenerationPipeline
 from services.gateway.http_errors import ApiError, add_error_handlers
 from services.gateway.http_middleware import RequestIds
+from services.gateway.models import LoadedModel
 from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest, body_error)
-from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper, ResponseShaper
-from services.gateway.request import OWNED_BY, GenerationRequest, salt_for_key
-from services.gateway.validation import check_choices, check_generations, check_model, check_token_ids
+from services.gateway.openai_responses import ChatShaper, Choice, CompletionShaper, ResponseShaper, model_card
+from services.gateway.request import GenerationRequest, salt_for_key
+from services.gateway.validation import check_choices, check_generations, check_token_ids
 from tandem.v1.errors import kind_named
 
 CLIENT_CLOSED_REQUEST = kind_named("Cancelled").http_status  # the client left before the response
@@ -91,28 +93,33 @@ class HttpBridge:
 
     async def models(self, request: Request) -> Response:
         self._authenticate(request)
-        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.pipeline.model.served_names]})
+        entries = await self.pipeline.model_entries()
+        return JSONResponse({"object": "list", "data": [model_card(entry) for entry in entries]})
 
     async def model(self, request: Request, model_id: str) -> Response:
         self._authenticate(request)
-        if model_id not in self.pipeline.model.served_names:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
-                           f"{self.pipeline.model.name!r} (GET /v1/models)", "model", "model_not_found")
-        return JSONResponse(self._model_card(model_id))
+        try:
+            entry = await self.pipeline.model_entry(model_id)
+        except NotFound:
+            served = ", ".join(repr(name) for name in self.pipeline.models.served_names())
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {served} "
+                           "(GET /v1/models)", "model", "model_not_found") from None
+        return JSONResponse(model_card(entry))
 
     async def tokenize(self, request: Request) -> Response:
         self._authenticate(request)
         body = _parse(TokenizeRequest, await _read_body(request, self.config.max_body_bytes))
-        token_ids = await self.pipeline.tokenize(body.generation_request())
-        return JSONResponse({"tokens": token_ids, "count": len(token_ids),
-                             "max_model_len": self.pipeline.model.max_model_len})
+        generation_request = body.generation_request()
+        token_ids = await self.pipeline.tokenize(generation_request)
+        model = (await self.pipeline.models.for_request(generation_request.model)).model
+        return JSONResponse({"tokens": token_ids, "count": len(token_ids), "max_model_len": model.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
         self._authenticate(request)
         body = _parse(DetokenizeRequest, await _read_body(request, self.config.max_body_bytes))
-        check_model(body.model, self.pipeline.model)
-        check_token_ids("tokens", body.tokens, self.pipeline.model)
-        return JSONResponse({"prompt": self.pipeline.codec.decode(body.tokens, skip_special_tokens=False)})
+        loaded = await self.pipeline.models.for_request(body.model)
+        check_token_ids("tokens", body.tokens, loaded.model)
+        return JSONResponse({"prompt": loaded.codec.decode(body.tokens, skip_special_tokens=False)})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": importlib.metadata.version("tandem")})
@@ -129,7 +136,8 @@ class HttpBridge:
 
     async def _generate(self, request: Request, body_type: type[Body], id_prefix: str) -> Response:
         body, requests = await self._accept(request, body_type)
-        shaper = self._shaper(body, requests, f"{id_prefix}-{requests[0].request_id}")
+        loaded = await self.pipeline.models.for_request(requests[0].model)  # one model for every prompt of a body
+        shaper = self._shaper(body, requests, f"{id_prefix}-{requests[0].request_id}", loaded)
         total = body.num_choices * len(requests)
         choices = ChoiceSet(self.pipeline, requests, body.num_choices, self.config.request_timeout)
         streamed = False
@@ -163,27 +171,19 @@ class HttpBridge:
         check_generations(len(requests), body.num_choices, self.pipeline.limits)
         return body, requests
 
-    def _shaper(self, body: Body, requests: list[GenerationRequest], response_id: str) -> ResponseShaper:
-        common = (response_id, int(time.time()), self.pipeline.model.name, self._token_text)
+    def _shaper(self, body: Body, requests: list[GenerationRequest], response_id: str,
+                loaded: LoadedModel) -> ResponseShaper:
+        def token_text(token_id: int) -> str:
+            return loaded.codec.decode([token_id], skip_special_tokens=False)
+
+        common = (response_id, int(time.time()), loaded.model.name, token_text)
         with_logprobs = requests[0].sampling.logprobs is not None
         options = {"with_logprobs": with_logprobs, "n": body.num_choices,
                    "with_prompt_logprobs": body.prompt_logprobs is not None}
         if isinstance(body, ChatCompletionRequest):
             return ChatShaper(*common, **options, tools=body.tool_plan)
-        echoes = [self._prompt_text(request) for request in requests] if body.echo else None
+        echoes = [_prompt_text(request, loaded.codec) for request in requests] if body.echo else None
         return CompletionShaper(*common, **options, echoes=echoes)
-
-    def _prompt_text(self, request: GenerationRequest) -> str:
-        if request.prompt is not None:
-            return request.prompt
-        return self.pipeline.codec.decode(request.token_ids or [], skip_special_tokens=False)
-
-    def _model_card(self, served_name: str) -> dict[str, object]:
-        """The card of the model or of one of its adapters (whose parent is the model)."""
-        model = self.pipeline.model
-        card = {"id": served_name, "object": "model", "created": model.created, "owned_by": OWNED_BY,
-                "root": model.name, "max_model_len": model.max_model_len}
-        return card if served_name == model.name else {**card, "parent": model.name}
 
     def _authenticate(self, request: Request) -> str | None:
         """The caller's API key (None when the gateway has none configured); 401 otherwise."""
@@ -196,8 +196,11 @@ class HttpBridge:
             raise Unauthenticated("invalid API key: send `Authorization: Bearer <key>` with a configured key")
         return presented
 
-    def _token_text(self, token_id: int) -> str:
-        return self.pipeline.codec.decode([token_id], skip_special_tokens=False)
+
+def _prompt_text(request: GenerationRequest, codec: TextCodec) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    return codec.decode(request.token_ids or [], skip_special_tokens=False)
 
 
 def create_http_app(pipeline: GenerationPipeline, config: HttpConfig,

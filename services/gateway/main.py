@@ -1,6 +1,7 @@
-"""`tandem gateway`: the public door. Loads the tokenizer (never torch), serves GenerateService
-over gRPC and the HTTP API, and reports SERVING while the scheduler behind it (the first of
-`--scheduler`) can serve the model (services/gateway/health.py).
+"""`tandem gateway`: the public door. Serves every model of its catalogue (`--model [NAME=]DIR`,
+repeatable, and every model directory under $TANDEM_HOME/models; services/gateway/models.py) with
+their tokenizers (never torch), GenerateService over gRPC and the HTTP API, and reports SERVING
+while any of its schedulers can serve the primary model (services/gateway/health.py).
 """
 
 from __future__ import annotations
@@ -9,27 +10,27 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from services.common import internal_auth
 from services.common.channels import internal_channel
 from services.common.config import add_option, from_args, parse_addresses, parse_list
 from services.common.grpc_server import PUBLIC_MESSAGE_BYTES, create_server
 from services.common.metrics import ServiceMetrics
+from services.common.model_catalogue import ModelCatalogue, ModelCatalogueError
 from services.common.model_config import ModelLoadError
 from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.model_store import default_model_dir
 from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, add_server_arguments, server_certificate
-from services.common.tokenizer import TextCodec
 from services.common.tracing import setup_tracing
 from services.gateway import http_app, limits
 from services.gateway.generation import GenerationPipeline
 from services.gateway.upstream import Upstream
 from services.gateway.health import follow_scheduler_health
 from services.gateway.http_server import start_http
-from services.gateway.request import ServedModel
+from services.gateway.models import GatewayModels
 from services.gateway.servicer import GenerateServicer
 from tandem.v1 import gateway_pb2_grpc
 
@@ -44,7 +45,7 @@ class GatewayConfig:
     port: int
     http_port: int  # the OpenAI-compatible HTTP API (served by the HTTP bridge)
     scheduler: tuple[str, ...]  # HOST:PORT of each scheduler; requests go to them in turn
-    model: Path
+    catalogue: ModelCatalogue  # the models served by name; its primary is loaded at start
     api_keys: tuple[str, ...]
     lora: tuple[str, ...]  # --lora NAME=DIR,...: adapters served as model BASE:NAME (with $TANDEM_HOME/loras)
     internal_token: str | None  # sent to the scheduler; None only under --insecure-internal or with internal_tls
@@ -62,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--scheduler", type=parse_addresses, default=("127.0.0.1:50052",),
                help="the schedulers' HOST:PORT, comma-separated: requests go to them in turn, and to the next "
                     "while one cannot be reached")
-    add_option(parser, "--model", type=Path, default=None, help="model directory (default: the default model)")
+    parser.add_argument("--model", action="append", default=None, metavar="[NAME=]DIR",
+                        help="a model to serve as NAME (DIR alone: under its directory's name), repeatable, beside "
+                             "every model directory under $TANDEM_HOME/models; the first is the primary, loaded at "
+                             "start, the others on their first request (env TANDEM_MODEL, comma-separated; default "
+                             "the default model)")
     add_option(parser, "--lora", type=parse_list, default=(), metavar="NAME=DIR,...",
                help="LoRA adapters the workers serve (as they take --lora), listed and accepted as model BASE:NAME")
     add_option(parser, "--api-keys", type=parse_list, default=(),
@@ -81,14 +86,17 @@ def main(args: argparse.Namespace) -> int:
         auth = internal_auth.auth_from_args(args, "gateway")
         tls = server_certificate(args.tls_cert, args.tls_key)
         lora_sources(args.lora)  # a malformed --lora fails here
-    except (internal_auth.InternalAuthError, TLSConfigError, LoraCatalogueError) as exc:
+        flags = args.model or parse_list(os.environ.get("TANDEM_MODEL", ""))
+        catalogue = ModelCatalogue.from_flags(flags, default_model=default_model_dir)
+    except (internal_auth.InternalAuthError, TLSConfigError, LoraCatalogueError, ModelCatalogueError) as exc:
         print(f"tandem gateway: {exc}", file=sys.stderr)
         return 2
-    config = from_args(GatewayConfig, args, model=args.model or default_model_dir(),
+    config = from_args(GatewayConfig, args, catalogue=catalogue,
                        http=http_app.config_from_args(args), limits=limits.limits_from_args(args),
                        internal_token=auth.token, internal_tls=auth.tls, tls=tls)
-    if not config.model.is_dir():
-        print(f"tandem gateway: model directory {config.model} not found; run `tandem model pull-default` "
+    primary = catalogue.path(catalogue.primary)
+    if not primary.is_dir():
+        print(f"tandem gateway: model directory {primary} not found; run `tandem model pull-default` "
               "or pass --model DIR", file=sys.stderr)
         return 1
     try:
@@ -101,15 +109,15 @@ def main(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully."""
-    codec = await asyncio.to_thread(TextCodec.from_model_dir, config.model)
-    model = ServedModel.from_model_dir(config.model, codec, tuple(lora_sources(config.lora)))
+    models = await GatewayModels.start(config.catalogue, tuple(lora_sources(config.lora)))
+    codec, model = models.primary.codec, models.primary.model
     tracing = setup_tracing("gateway")
     metrics = ServiceMetrics(model.name, "gateway")
     open_channel = functools.partial(internal_channel, tls=config.internal_tls)
     channels = [open_channel(address) for address in config.scheduler]
     upstream = Upstream(channels, open_channel)
     pipeline = GenerationPipeline(codec, model, upstream,
-                                  config.internal_token, metrics=metrics, limits=config.limits)
+                                  config.internal_token, metrics=metrics, limits=config.limits, models=models)
     server = create_server(config.host, config.port, api_keys=config.api_keys,
                            max_receive_bytes=PUBLIC_MESSAGE_BYTES,
                            credentials=config.tls.grpc_credentials() if config.tls else None)
@@ -119,7 +127,8 @@ async def serve(config: GatewayConfig) -> None:
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await start_http(http, config.host, config.http_port, tls=config.tls)
-    log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", model.name, config.host,
+    log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", ", ".join(models.names()),
+             config.host,
              server.port, "S" if config.tls else "", http_server.port, ",".join(config.scheduler),
              "on" if config.api_keys else "off", "on" if config.tls else "off")
     follower = asyncio.create_task(follow_scheduler_health(channels, server, http, model=model.name,

@@ -1,6 +1,7 @@
 """The response JSON of the OpenAI-compatible API, as vLLM serves it: whole responses, stream
 chunks, usage and logprobs of /v1/completions (with echo) and /v1/chat/completions (with tool
-calls, read by tools.py), built from the pipeline's chunks (errors: http_errors.py).
+calls, read by tools.py), built from the pipeline's chunks (errors: http_errors.py); and the model
+cards of /v1/models.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.models import ModelEntry
 from services.gateway.output import Chunk
+from services.gateway.request import OWNED_BY
 from services.gateway.tools import ToolCall, ToolCallReader, ToolDelta, ToolPlan
 from tandem.v1 import common_pb2
 
@@ -26,6 +29,17 @@ def usage_body(usages: list[common_pb2.Usage], n: int = 1) -> dict[str, Any]:
     completion = sum(usage.completion_tokens for usage in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def model_card(entry: ModelEntry) -> dict[str, Any]:
+    """A model's (or an adapter's) card: OpenAI's keys, vLLM's `root`, `parent` (an adapter's base)
+    and `max_model_len`, and Tandem's `resident` and `resident_workers` (workers holding it loaded)."""
+    model = entry.model
+    card: dict[str, Any] = {"id": entry.id, "object": "model", "created": model.created, "owned_by": OWNED_BY,
+                            "root": model.name, "max_model_len": model.max_model_len}
+    if entry.parent is not None:
+        card["parent"] = entry.parent
+    return {**card, "resident": entry.resident, "resident_workers": entry.resident_workers}
 
 
 @dataclass(slots=True)

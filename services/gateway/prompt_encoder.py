@@ -24,23 +24,23 @@ DEFAULT_THREADS = 2
 
 
 class PromptEncoder:
-    """Encodes the prompt field of validated requests. Call `close()` when done with it."""
+    """Encodes the prompt field of validated requests, each with its model's codec (one pool for
+    every model the gateway serves). Call `close()` when done with it."""
 
-    def __init__(self, codec: TextCodec, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         if threads < 1:
             raise ValueError(f"PromptEncoder needs at least one thread, got {threads}")
-        self._codec = codec
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._slots = asyncio.Semaphore(threads)
 
-    async def encode(self, request: GenerationRequest, field: str) -> list[int]:
-        """The prompt's token ids; `field` is the prompt field validation found set. InvalidRequest
-        when the chat template rejects the messages."""
+    async def encode(self, request: GenerationRequest, field: str, codec: TextCodec) -> list[int]:
+        """The prompt's token ids by `codec`; `field` is the prompt field validation found set.
+        InvalidRequest when the chat template rejects the messages."""
         if field == "token_ids":
             return list(request.token_ids or [])
         if field == "prompt":
-            return await self._run(self._codec.encode, request.prompt or "")
-        return await self._run(self._chat, request.messages or [], request.tools)
+            return await self._run(codec.encode, request.prompt or "")
+        return await self._run(_chat, codec, request.messages or [], request.tools)
 
     def close(self) -> None:
         """Stop the threads once their current work ends; waiting work is dropped."""
@@ -57,8 +57,10 @@ class PromptEncoder:
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
         return await asyncio.wrap_future(job)
 
-    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        try:
-            return self._codec.apply_chat_template(messages, tools)
-        except TemplateError as exc:
-            raise InvalidRequest("messages", f"the model's chat template rejects them: {exc}") from None
+
+
+def _chat(codec: TextCodec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    try:
+        return codec.apply_chat_template(messages, tools)
+    except TemplateError as exc:
+        raise InvalidRequest("messages", f"the model's chat template rejects them: {exc}") from None

@@ -15,9 +15,10 @@ from services.common.auth import presented_secret
 from services.common.grpc_server import remaining_timeout
 from services.common.wire import DEFAULT_MAX_TOKENS, FINISH_REASON_TO_PROTO, sampling_from_proto
 from services.gateway.generation import Generation, GenerationPipeline
+from services.gateway.models import ModelEntry
 from services.gateway.output import Chunk
 from services.gateway.request import (
-    OWNED_BY, REQUEST_ID_HEADER, TRACE_ID_HEADER, GenerationRequest, ServedModel, new_request_id, salt_for_key,
+    OWNED_BY, REQUEST_ID_HEADER, TRACE_ID_HEADER, GenerationRequest, new_request_id, salt_for_key,
 )
 from services.gateway.validation import check_repeated_sizes, request_id_or_new
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -105,8 +106,8 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
-        model = self._pipeline.model
-        return gateway_pb2.ListModelsResponse(models=[model_card(model, name) for name in model.served_names])
+        entries = await self._pipeline.model_entries()
+        return gateway_pb2.ListModelsResponse(models=[model_card(entry) for entry in entries])
 
 
 async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -119,8 +120,9 @@ async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.Genera
         yield response
 
 
-def model_card(model: ServedModel, served_name: str) -> gateway_pb2.ModelCard:
-    """The card of the model or of one of its adapters (`served_name` BASE:NAME)."""
-    return gateway_pb2.ModelCard(id=served_name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+def model_card(entry: ModelEntry) -> gateway_pb2.ModelCard:
+    """The card of a model or of an adapter (`entry.id` BASE:NAME), with its residency."""
+    model = entry.model
+    return gateway_pb2.ModelCard(id=entry.id, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
                                  has_chat_template=model.has_chat_template, created=model.created,
-                                 owned_by=OWNED_BY)
+                                 owned_by=OWNED_BY, resident=entry.resident, resident_workers=entry.resident_workers)

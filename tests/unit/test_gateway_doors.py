@@ -273,16 +273,16 @@ async def test_health_and_other_streams_answer_while_a_long_prompt_tokenizes(doo
 
 
 async def test_at_most_the_pool_size_tokenize_at_once_and_a_request_that_left_never_does(codec, tokenizer):
-    encoder = PromptEncoder(codec, threads=2)
+    encoder = PromptEncoder(threads=2)
     texts = [f"{i} " + "word " * 300 for i in range(4)]
     expected = [codec.encode(texts[i]) for i in (0, 1, 3)]
     gate = tokenizer.close_gate()
     try:
-        first, second = (asyncio.create_task(encoder.encode(GenerationRequest(prompt=t), "prompt"))
+        first, second = (asyncio.create_task(encoder.encode(GenerationRequest(prompt=t), "prompt", codec))
                          for t in texts[:2])
         await eventually(lambda: tokenizer.active == 2, "two prompts inside the tokenizer")
-        left = asyncio.create_task(encoder.encode(GenerationRequest(prompt=texts[2]), "prompt"))
-        last = asyncio.create_task(encoder.encode(GenerationRequest(prompt=texts[3]), "prompt"))
+        left = asyncio.create_task(encoder.encode(GenerationRequest(prompt=texts[2]), "prompt", codec))
+        last = asyncio.create_task(encoder.encode(GenerationRequest(prompt=texts[3]), "prompt", codec))
         await asyncio.sleep(0)  # both wait for a slot now
         left.cancel()
         gate.set()

@@ -512,10 +512,11 @@ async def test_request_ids(client):
 
 
 async def test_models(client, served_model):
-    body = (await client.get("/v1/models")).json()
+    body = (await client.get("/v1/models")).json()  # this scheduler has no Stats: no worker holds the model
     assert body == {"object": "list", "data": [{
         "id": served_model.name, "object": "model", "created": served_model.created, "owned_by": "tandem",
-        "root": served_model.name, "max_model_len": served_model.max_model_len}]}
+        "root": served_model.name, "max_model_len": served_model.max_model_len,
+        "resident": False, "resident_workers": 0}]}
 
 
 async def test_health_follows_the_serving_flag(client):

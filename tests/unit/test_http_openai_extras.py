@@ -306,7 +306,8 @@ async def test_version_and_one_model(http, served_model):
     assert card.status_code == 200
     assert card.json() == {"id": served_model.name, "object": "model", "created": served_model.created,
                            "owned_by": "tandem", "root": served_model.name,
-                           "max_model_len": served_model.max_model_len}
+                           "max_model_len": served_model.max_model_len,
+                           "resident": False, "resident_workers": 0}  # no scheduler to ask: none known
     missing = await http.get("/v1/models/gpt-4o")
     assert missing.status_code == 404
     assert _error(missing) == {"message": f"the model 'gpt-4o' does not exist; this server serves "
