@@ -46,9 +46,13 @@ class Gateway:
         self.api_key = api_key
         self.timeout_s = timeout_s
 
-    def first_model(self) -> str:
+    def models(self) -> list[dict[str, Any]]:
+        """The model cards of GET /v1/models, in the gateway's order."""
         with self._open("GET", "/v1/models") as response:
-            models = json.loads(response.read())["data"]
+            return list(json.loads(response.read())["data"])
+
+    def first_model(self) -> str:
+        models = self.models()
         if not models:
             raise ChatError(f"{self.url}/v1/models lists no model; pass --model")
         return str(models[0]["id"])

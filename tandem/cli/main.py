@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     "sim-worker": Command("tandem.cli.sim_worker", "run simulated workers (no model) to measure the control plane"),
     "health": Command("services.common.health_cli", "check a service's gRPC health (exit 0 when serving)"),
     "model": Command("tandem.cli.model", "manage models: pull the default model, show a model's sizes"),
+    "models": Command("tandem.cli.models", "list a deployment's models and where they are loaded; provision one"),
     "generate": Command("tandem.cli.generate", "generate text in-process with the engine"),
     "chat": Command("tandem.cli.chat", "chat with a running gateway, the reply streamed (--url)"),
     "trace": Command("tandem.cli.trace", "show a request's end-to-end trace"),

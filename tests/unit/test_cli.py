@@ -16,8 +16,8 @@ from tandem.cli.generate import Completion, StreamView
 from tandem.cli.main import COMMANDS, Command
 
 ALL_COMMANDS = [
-    "up", "gateway", "scheduler", "prefill", "decode", "colocated", "sim-worker", "health", "model", "generate",
-    "chat", "trace", "deploy",
+    "up", "gateway", "scheduler", "prefill", "decode", "colocated", "sim-worker", "health", "model", "models",
+    "generate", "chat", "trace", "deploy",
 ]
 
 
