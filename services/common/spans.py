@@ -47,6 +47,8 @@ class Attr:
     KV_CHUNKS = "tandem.kv.chunks"
     KV_MB_PER_S = "tandem.kv.mb_per_s"
     KV_PEER = "tandem.kv.peer"  # the other end of a KV transfer
+    KV_REUSED_BLOCKS = "tandem.kv.reused_blocks"  # leading blocks the receiver held already: not shipped
+    KV_TRANSPORT = "tandem.kv.transport"  # "grpc", or "shm" on the same host
     DECODE_ITERATIONS = "tandem.decode.iterations"
     DECODE_PREEMPTIONS = "tandem.decode.preemptions"
     TTFT_S = "tandem.ttft_s"  # time to first token, from the span's start

@@ -24,7 +24,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
 from services.common.wire import abort_ids
 from services.runtime.block_manager import NoFreeBlocksError
-from services.runtime.kv_handoff import Reservation
+from services.runtime.kv_handoff import PromptKey, Reservation
 from services.runtime.kv_transfer import KvChunk
 from services.worker.events import TrackedRequest
 from services.worker.runtime import WorkerRuntime
@@ -78,12 +78,16 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if engine.blocks_for_tokens(request.num_tokens) > engine.blocks.num_blocks:
             raise InvalidRequest("num_tokens", f"{request.num_tokens} tokens need more KV blocks than decode worker "
                                                f"{self.runtime.worker_id} has ({engine.blocks.num_blocks})")
+        if request.token_ids and len(request.token_ids) != request.num_tokens - 1:
+            raise InvalidRequest("token_ids", f"carries {len(request.token_ids)} tokens; the prompt of a reservation "
+                                              f"for num_tokens {request.num_tokens} has num_tokens - 1")
         if not 0 <= request.ttl_ms <= MAX_RESERVATION_TTL_MS:
             raise InvalidRequest("ttl_ms", f"must be in [0, {MAX_RESERVATION_TTL_MS}] (0: the default, "
                                            f"{DEFAULT_RESERVATION_TTL_S:.0f} s), got {request.ttl_ms}")
+        prompt = PromptKey(list(request.token_ids), request.cache_salt, request.lora) if request.token_ids else None
         try:
             reservation, free = await self.runtime.loop.call(
-                lambda e: (self.runtime.handoff.reserve(rid, request.num_tokens), e.blocks.num_free_blocks))
+                lambda e: (self.runtime.handoff.reserve(rid, request.num_tokens, prompt), e.blocks.num_free_blocks))
         except NoFreeBlocksError as exc:
             raise Overloaded(f"decode worker {self.runtime.worker_id} cannot reserve KV for request {rid}: {exc}",
                              retry_after=RETRY_AFTER_S) from exc
@@ -93,7 +97,8 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid, reservation)
         self._waiting[rid] = Waiting(reservation, extract_context(context.invocation_metadata()), expiry)
         return worker_pb2.ReserveResponse(block_ids=reservation.block_ids, free_blocks=free,
-                                          block_size=engine.blocks.block_size)
+                                          block_size=engine.blocks.block_size,
+                                          reused_blocks=reservation.reused_blocks)
 
     async def Release(self, request: worker_pb2.ReleaseRequest, context) -> worker_pb2.ReleaseResponse:
         reservation = self.runtime.handoff.reservation(request.request_id)
@@ -145,6 +150,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 raise
             seconds = time.monotonic() - started
             span.set_attributes(kv_transfer_attributes(received.blocks, received.bytes, received.chunks, seconds))
+            span.set_attribute(Attr.KV_REUSED_BLOCKS, reservation.reused_blocks)
             admitted = not reservation.cancelled and await self._admit(reservation, first.header, params, seconds)
         return kv_transfer_pb2.PushAck(request_id=rid, chunks=received.chunks, bytes=received.bytes,
                                        blocks=received.blocks, duration_ms=seconds * 1000, admitted=admitted)
@@ -195,7 +201,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             raise InvalidRequest("chunk", str(exc)) from exc
         received.chunks += 1
         received.bytes += len(message.data)
-        received.blocks = max(received.blocks, message.first_block + message.num_blocks)
+        received.blocks = max(received.blocks, message.first_block + message.num_blocks - reservation.reused_blocks)
 
     async def _admit(self, reservation: Reservation, header: kv_transfer_pb2.KvRequestHeader,
                      params: SamplingParams, seconds: float) -> bool:

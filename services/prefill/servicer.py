@@ -113,11 +113,16 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         return self._response(request, job, output, aborted)
 
     def _check_reservation(self, request: worker_pb2.PrefillRequest) -> None:
-        """The decode blocks must hold the prompt's KV in this worker's block size."""
+        """The decode blocks must hold the prompt's KV in this worker's block size, and the blocks the
+        decode worker reused leave at least the last prompt token's block to ship."""
+        needed = self.runtime.engine.blocks_for_tokens(len(request.token_ids))
+        if not 0 <= request.decode_reused_blocks < needed:
+            raise InvalidRequest("decode_reused_blocks", f"must be in [0, {needed - 1}] for a prompt of "
+                                                         f"{len(request.token_ids)} tokens ({needed} blocks), "
+                                                         f"got {request.decode_reused_blocks}")
         if not request.decode_block_ids:
             return
         block_size = self.runtime.engine.blocks.block_size
-        needed = self.runtime.engine.blocks_for_tokens(len(request.token_ids))
         if len(request.decode_block_ids) < needed:
             raise FailedPrecondition(
                 f"decode_block_ids: {len(request.decode_block_ids)} block(s) reserved, but the prompt's "
@@ -130,13 +135,16 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
         try:
-            export = await self.runtime.loop.call(lambda engine: self.runtime.handoff.export(rid, max_bytes))
+            export = await self.runtime.loop.call(
+                lambda engine: self.runtime.handoff.export(rid, max_bytes, request.decode_reused_blocks))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
         header = self._header(request, job, output, export.num_chunks)
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
         started = time.monotonic()
-        with tracer.start_as_current_span(SpanName.KV_SEND, attributes={Attr.KV_PEER: request.decode_address}) as span:
+        attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks}
+        with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
+            job.transfer.blocks = export.num_blocks
             job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer),
                                  timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                  metadata=(*inject_metadata(), *self._channels.metadata))
@@ -190,7 +198,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
     async def _messages(rid: str, header: kv_transfer_pb2.KvRequestHeader, chunks: Iterator[KvChunk],
                         stats: worker_pb2.KvTransferStats) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
         """The chunks as wire messages, the header on the first; exported off the event loop."""
-        blocks = 0
         while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             message = kv_transfer_pb2.KvChunk(
                 request_id=rid, layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
@@ -200,8 +207,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 message.header.CopyFrom(header)
             stats.chunks += 1
             stats.bytes += len(chunk.data)
-            blocks = max(blocks, chunk.first_block + chunk.num_blocks)
-            stats.blocks = blocks
             yield message
 
     def _response(self, request, job: PrefillJob, output: RequestOutput | None,

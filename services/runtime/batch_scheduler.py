@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.block_hash import hash_chain
 from services.common.blocks import ceil_div
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
@@ -127,13 +126,9 @@ class IterationScheduler:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Acquires the cached blocks of `seq`'s longest cached prefix, always leaving a token to compute."""
-        size = self.blocks.block_size
-        usable = (seq.num_tokens - 1) // size
-        hashes = hash_chain(seq.token_ids, size, seq.salt, seq.lora)[:usable]
-        token_blocks = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(usable)]
-        hits = self.blocks.match_prefix(hashes, token_blocks)
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        hits, seq.block_hashes = self.blocks.match_tokens(seq.token_ids, usable, seq.salt, seq.lora)
         self.blocks.acquire(hits)
-        seq.block_hashes = hashes[: len(hits)]
         return hits
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:

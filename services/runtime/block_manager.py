@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, OrderedDict
 
-from services.common.block_hash import BlockHash
+from services.common.block_hash import BlockHash, hash_chain
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -92,6 +92,15 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def match_tokens(self, token_ids: list[int], num_blocks: int, salt: str = "",
+                     lora: str = "") -> tuple[list[int], list[BlockHash]]:
+        """`match_prefix` over the first `num_blocks` full blocks of `token_ids` (their hash chain under
+        `salt` and `lora`): the hit blocks, and the hashes of those hits."""
+        size = self.block_size
+        hashes = hash_chain(token_ids[: num_blocks * size], size, salt, lora)
+        hits = self.match_prefix(hashes, [tuple(token_ids[i * size : (i + 1) * size]) for i in range(len(hashes))])
+        return hits, hashes[: len(hits)]
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks

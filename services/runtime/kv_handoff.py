@@ -4,9 +4,10 @@ crosses from a prefill engine to a decode engine.
 Prefill side: `export` takes a prefilled request (first token sampled) out of the engine with
 its blocks and says how many chunks its KV makes -> the chunks are read and shipped ->
 `release_export` frees the blocks (full ones stay in the prefix cache).
-Decode side: `reserve` allocates blocks owned by no sequence -> `import_chunk` writes each chunk
-into them -> `admit` starts decoding the request at the next step. `cancel` then `free` drop a
-reservation or an export at any point.
+Decode side: `reserve` allocates blocks owned by no sequence, taking the prompt's leading blocks
+from the prefix cache when it holds them -> `import_chunk` writes each chunk into the others ->
+`admit` starts decoding the request at the next step. `cancel` then `free` drop a reservation or an
+export at any point. A prefill side told that the receiver reused `n` blocks exports only the rest.
 
 Threads. Only the engine thread touches the engine: `reserve`, `admit`, `free`, `export` and
 `release_export` allocate or free blocks or change the batch, so they run there. Chunk bytes are
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from services.common.blocks import ceil_div
+from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.engine import Engine
 from services.runtime.kv_transfer import KvChunk, blocks_per_chunk, export_kv, import_kv
 from services.runtime.sampler import SamplingParams
@@ -32,10 +34,12 @@ from services.runtime.sequence import Sequence
 
 @dataclass(slots=True)
 class Reservation:
-    """Blocks held for a request's incoming KV (all its tokens but the last)."""
+    """Blocks held for a request's incoming KV (all its tokens but the last). The first
+    `reused_blocks` are prefix-cache hits that already hold the KV: no chunk is written into them."""
 
     request_id: str
     block_ids: list[int]
+    reused_blocks: int = 0
     receiving: bool = False  # a stream is filling it; a second one is refused
     cancelled: bool = False  # no chunk is written after this
     received_bytes: int = 0
@@ -43,12 +47,23 @@ class Reservation:
 
 @dataclass(slots=True)
 class KvExport:
-    """A prefilled request's KV as chunks: their count is known before the first is read."""
+    """A prefilled request's KV as chunks: their count is known before the first is read.
+    `num_blocks` are shipped, after the `skipped_blocks` the receiver already holds."""
 
     request_id: str
     num_blocks: int
     num_chunks: int
     chunks: Iterator[KvChunk]
+    skipped_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """What finds a prompt's blocks in the prefix cache: its tokens, the tenant's salt, the adapter."""
+
+    token_ids: list[int]
+    salt: str = ""
+    lora: str = ""
 
 
 class KvHandoff:
@@ -56,44 +71,63 @@ class KvHandoff:
         self.engine = engine
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
-        self._exports: dict[str, Sequence] = {}
+        self._exports: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, blocks shipped)
 
     # -- the prefill side (engine thread) ---------------------------------------------------
 
-    def export(self, request_id: str, max_chunk_bytes: int) -> KvExport:
-        """The KV of every computed token of a prefilled request, layer by layer, in chunks of at
-        most `max_chunk_bytes`; ValueError (nothing changes) when one block of one layer is larger."""
+    def export(self, request_id: str, max_chunk_bytes: int, skip_blocks: int = 0) -> KvExport:
+        """The KV of every computed token of a prefilled request but its first `skip_blocks` blocks
+        (the receiver holds those), layer by layer, in chunks of at most `max_chunk_bytes`. ValueError
+        when one block of one layer is larger (nothing changes) or `skip_blocks` leaves no block
+        (the request is held as an export: `free` returns its blocks)."""
         cache = self.engine.cache
         per_chunk = blocks_per_chunk(cache, max_chunk_bytes)
         seq = self.engine.take_prefilled(request_id)
-        with self._lock:
-            self._exports[request_id] = seq
-        block_ids = seq.block_table[: self.engine.blocks_for_tokens(seq.num_computed_tokens)]
-        return KvExport(request_id, len(block_ids), cache.num_layers * ceil_div(len(block_ids), per_chunk),
-                        export_kv(cache, block_ids, max_chunk_bytes))
+        num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens)
+        shipped = num_blocks - skip_blocks
+        with self._lock:  # held from here on, so `free` returns the blocks whatever happens next
+            self._exports[request_id] = (seq, max(shipped, 0))
+        if not 0 <= skip_blocks < num_blocks:
+            raise ValueError(f"cannot skip {skip_blocks} of the request's {num_blocks} KV blocks; "
+                             f"the receiver may hold at most {num_blocks - 1} of them")
+        block_ids = seq.block_table[:num_blocks]
+        return KvExport(request_id, shipped, cache.num_layers * ceil_div(shipped, per_chunk),
+                        export_kv(cache, block_ids, max_chunk_bytes, skip_blocks), skip_blocks)
 
     def release_export(self, request_id: str) -> None:
         """Frees the shipped request's blocks; its full blocks stay in the prefix cache."""
         with self._lock:
-            seq = self._exports.pop(request_id, None)
-        if seq is None:
+            export = self._exports.pop(request_id, None)
+        if export is None:
             raise KeyError(f"request {request_id!r} has no exported KV to release")
-        num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens)
-        self.engine.counters.kv_bytes_sent += num_blocks * self.engine.cache.block_bytes
+        seq, shipped = export
+        self.engine.counters.kv_bytes_sent += shipped * self.engine.cache.block_bytes
         self.engine.scheduler.release_blocks(seq)
 
     # -- the decode side --------------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_tokens: int) -> Reservation:
-        """Allocates the blocks for a request's `num_tokens` tokens (imported KV plus the last
-        sampled token). Engine thread; NoFreeBlocksError when they are not free now."""
+    def reserve(self, request_id: str, num_tokens: int, prompt: PromptKey | None = None) -> Reservation:
+        """Holds the blocks for a request's `num_tokens` tokens (imported KV plus the last sampled
+        token): the prefix cache's hits on `prompt`'s leading blocks (all but the block of its last
+        token at most), then fresh blocks. Engine thread; NoFreeBlocksError (nothing held) when the
+        fresh ones are not free now."""
         with self._lock:
             in_use = request_id in self._reservations or request_id in self._exports
         if in_use or self.engine.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        block_ids = self.engine.blocks.allocate(self.engine.blocks_for_tokens(num_tokens))
-        self.engine.cache.initialize(block_ids)
-        reservation = Reservation(request_id, block_ids)
+        blocks = self.engine.blocks
+        hits: list[int] = []
+        if prompt is not None:
+            hits, _ = blocks.match_tokens(prompt.token_ids, (len(prompt.token_ids) - 1) // blocks.block_size,
+                                          prompt.salt, prompt.lora)
+        blocks.acquire(hits)
+        try:
+            fresh = blocks.allocate(self.engine.blocks_for_tokens(num_tokens) - len(hits))
+        except NoFreeBlocksError:
+            blocks.release(hits)
+            raise
+        self.engine.cache.initialize(fresh)
+        reservation = Reservation(request_id, hits + fresh, len(hits))
         with self._lock:
             self._reservations[request_id] = reservation
         return reservation
@@ -107,6 +141,10 @@ class KvHandoff:
         ValueError when the chunk does not fit this cache or the reservation."""
         if reservation.cancelled:
             return False
+        if chunk.first_block < reservation.reused_blocks:
+            raise ValueError(f"KV chunk starts at block {chunk.first_block}, but this worker reused the first "
+                             f"{reservation.reused_blocks} blocks from its prefix cache; ship blocks from "
+                             f"{reservation.reused_blocks} on")
         import_kv(self.engine.cache, reservation.block_ids, chunk)
         reservation.received_bytes += len(chunk.data)
         return True
@@ -148,13 +186,13 @@ class KvHandoff:
         """Returns the blocks of the request's reservation or export (engine thread); False if it has neither."""
         with self._lock:
             reservation = self._reservations.pop(request_id, None)
-            seq = self._exports.pop(request_id, None)
+            export = self._exports.pop(request_id, None)
         if reservation is not None:
             reservation.cancelled = True
             self.engine.blocks.release(reservation.block_ids)
-        if seq is not None:
-            self.engine.scheduler.release_blocks(seq)
-        return reservation is not None or seq is not None
+        if export is not None:
+            self.engine.scheduler.release_blocks(export[0])
+        return reservation is not None or export is not None
 
     @property
     def reserved_blocks(self) -> int:

@@ -45,12 +45,15 @@ def blocks_per_chunk(cache: PagedKVCache, max_chunk_bytes: int) -> int:
     return max_chunk_bytes // block_bytes
 
 
-def export_kv(cache: PagedKVCache, block_ids: list[int], max_chunk_bytes: int = 1 << 20) -> Iterator[KvChunk]:
+def export_kv(cache: PagedKVCache, block_ids: list[int], max_chunk_bytes: int = 1 << 20,
+              start: int = 0) -> Iterator[KvChunk]:
+    """The KV of `block_ids[start:]` (the blocks before `start` are not shipped: the receiver holds
+    them), `first_block` still indexing the whole `block_ids`."""
     per_chunk = blocks_per_chunk(cache, max_chunk_bytes)
     dtype = DTYPE_NAMES[cache.dtype]
     for layer in range(cache.num_layers):
         k_cache, v_cache = cache.layer(layer)
-        for first in range(0, len(block_ids), per_chunk):
+        for first in range(start, len(block_ids), per_chunk):
             ids = block_ids[first : first + per_chunk]
             both = _stack_blocks(k_cache, v_cache, ids)
             yield KvChunk(layer, first, len(ids), dtype, tuple(both.shape), _tensor_bytes(both))

@@ -47,6 +47,7 @@ class Placement:
     decode: WorkerRecord | None = None
     uncached_tokens: int = 0  # prompt tokens the prefill worker computes (its queued load until the first token)
     reserved_blocks: int = 0
+    decode_reused_blocks: int = 0  # leading reserved blocks the decode worker held already (not shipped)
     reserved_at: float = 0.0
     holders: dict[str, WorkerRecord] = field(default_factory=dict)
     prefill_task: asyncio.Task | None = None

@@ -69,6 +69,8 @@ class Launcher:
         was unreachable."""
         placement = state.placement
         request = worker_pb2.ReserveRequest(request_id=placement.attempt_id, num_tokens=placement.prompt_tokens + 1,
+                                            token_ids=placement.request.token_ids,
+                                            cache_salt=placement.request.cache_salt, lora=placement.request.lora,
                                             model=placement.request.model)
         unreachable: Unavailable | None = None
         short = False
@@ -95,6 +97,7 @@ class Launcher:
                 continue
             placement.decode = worker
             placement.reserved_blocks = len(response.block_ids)
+            placement.decode_reused_blocks = response.reused_blocks
             placement.reserved_at = time.monotonic()
             return score, list(response.block_ids)
         if unreachable is not None and not short:
@@ -148,7 +151,7 @@ class Launcher:
             request_id=placement.attempt_id, token_ids=placement.request.token_ids, sampling=_sampling(state),
             seed=state.seed, cache_salt=placement.request.cache_salt, decode_address=decode.info.address,
             decode_worker_id=decode.info.worker_id, decode_block_ids=block_ids, lora=placement.request.lora,
-            model=placement.request.model)
+            decode_reused_blocks=placement.decode_reused_blocks, model=placement.request.model)
         try:
             timeout = state.deadline.timeout(PREFILL_TIMEOUT_S)
             response = await self.clients.prefill(prefill.info.address).Prefill(

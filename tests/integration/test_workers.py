@@ -438,6 +438,46 @@ def test_prefix_cache_hits_and_block_reports(mesh, default_model_dir):
     assert salted.cached_tokens == 0
 
 
+def reserve_prompt(mesh: Mesh, rid: str, prompt: list[int]) -> worker_pb2.ReserveResponse:
+    """Reserve as the scheduler does: with the prompt, so the decode worker reuses its cached prefix."""
+    request = worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1, token_ids=prompt)
+    return mesh.decode_stub().Reserve(request, timeout=5)
+
+
+def test_a_second_turn_ships_only_the_blocks_the_decode_worker_does_not_hold(mesh, default_model_dir):
+    from services.common.tokenizer import TextCodec
+    from tests.hf_reference import LONG_STORY, reference_outputs
+
+    codec = TextCodec.from_model_dir(default_model_dir)
+    first = codec.encode("Minutes of the harbour choir. " + LONG_STORY + " Question: which tree came first?")
+    turns: list[tuple[list[int], list[int], int]] = []  # (prompt, tokens, reused blocks)
+    prompt = first
+    for turn in range(2):
+        sent, received = mesh.prefill.stats().kv_bytes_sent, mesh.decode.stats().kv_bytes_received
+        reservation = reserve_prompt(mesh, f"turn-{turn}", prompt)
+        request = worker_pb2.PrefillRequest(
+            request_id=f"turn-{turn}", token_ids=prompt, sampling=sampling(max_tokens=16), seed=7,
+            decode_address=mesh.decode.address, decode_worker_id=mesh.decode.worker_id,
+            decode_block_ids=reservation.block_ids, decode_reused_blocks=reservation.reused_blocks)
+        mesh.recorder.read(mesh.prefill, request.request_id)
+        mesh.recorder.read(mesh.decode, request.request_id)
+        response = mesh.prefill_stub().Prefill(request, timeout=60)
+        tokens = tokens_of(mesh.recorder.stream(request.request_id))
+        shipped = blocks_for(len(prompt)) - reservation.reused_blocks
+        assert (response.transfer.blocks, response.transfer.bytes) == (shipped, shipped * BLOCK_BYTES)
+        assert wait_idle(mesh.decode).kv_bytes_received - received == shipped * BLOCK_BYTES
+        assert mesh.prefill.stats().kv_bytes_sent - sent == shipped * BLOCK_BYTES
+        turns.append((prompt, tokens, reservation.reused_blocks))
+        prompt = prompt + tokens + codec.encode(" Question: and which tree came last?")
+    assert turns[0][2] == 0
+    # The decode worker cached every full block of the first turn's KV (all its tokens but the last).
+    computed = len(first) + len(turns[0][1]) - 1
+    assert turns[1][2] == min(computed // BLOCK_SIZE, (len(turns[1][0]) - 1) // BLOCK_SIZE) >= 10
+    references = reference_outputs(default_model_dir, [p for p, _, _ in turns], 16)
+    for turn, ((_, tokens, _), reference) in enumerate(zip(turns, references)):
+        assert_matches(tokens, reference, f"turn {turn}")
+
+
 def test_the_schedulers_batch_policy_sets_the_chunk_size(mesh):
     before = mesh.prefill.stats().iterations
     response = prefill(mesh, "policy", [2000 + i for i in range(600)], None, max_tokens=1)
