@@ -10,6 +10,13 @@ finished: its final event is on the worker's stream). A worker stream that break
 worker drops therefore ends quietly: the Submit call says why. A worker's error event is left to
 the scheduler too, which reports it as the call's status.
 
+The Submit call and the workers' streams are separate calls, so the scheduler's status may reach
+the gateway before tokens a worker streamed ahead of the request's end. The status is therefore
+acted on once the streams have had their say, at most STREAMS_GRACE_S later: a failure once every
+stream has ended (the worker's error event, or the abort that dropped it), so the client gets
+exactly the tokens the workers streamed, then the error; a break once the generator's stream has
+given its first event or ended.
+
 A scheduler that dies once the generating worker has started the request (its stream has given an
 event; the Submit call breaks with UNAVAILABLE) takes nothing with it: that stream goes on to the
 request's end, and only a stream that then ends without its final event fails the request (no
@@ -20,6 +27,7 @@ come (Run, the prefill and its KV hand-off) were the scheduler's calls, cut with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -30,6 +38,10 @@ from services.gateway.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+
+# How long the Submit call's status waits for the workers' streams (see above). It bounds only a
+# stream that never ends: one whose worker was cut off without its connection breaking.
+STREAMS_GRACE_S = 1.0
 
 OpenStream = Callable[[str, worker_pb2.StreamRequest], grpc.aio.UnaryStreamCall]
 
@@ -43,11 +55,13 @@ class Attempt:
         self._relay = relay
         self._calls: list[grpc.aio.UnaryStreamCall] = []
         self._tasks: list[asyncio.Task] = []
+        self._pumps: list[asyncio.Task] = []
         self._watcher: asyncio.Task | None = None
         self._current = True
         self._scheduler_gone = False  # the Submit call broke with UNAVAILABLE after placement
         self._generator_cut: Unavailable | None = None  # the generator's stream ended before its final event
         self._generator_started = False  # the generator's stream gave an event
+        self._generator_heard = asyncio.Event()  # it gave an event or ended
 
     def start(self, open_stream: OpenStream) -> None:
         """Read the workers' streams into the relay, and watch the Submit call."""
@@ -58,7 +72,8 @@ class Attempt:
         for address in addresses:
             call = open_stream(address, request)
             self._calls.append(call)
-            self._tasks.append(asyncio.ensure_future(self._pump(address, call)))
+            self._pumps.append(asyncio.ensure_future(self._pump(address, call)))
+        self._tasks.extend(self._pumps)
         self._watcher = asyncio.ensure_future(self._watch())
         self._tasks.append(self._watcher)
 
@@ -78,29 +93,41 @@ class Attempt:
         self.submit.cancel()
 
     async def _pump(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
-        finished = False
+        generator = address == self.placement.generator_address
         try:
-            async for event in call:
-                if not self._current:
-                    return
-                if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    if self._scheduler_gone:
-                        self._fail(Unavailable(f"request {self._relay.request_id}: worker at {address} "
-                                               f"failed it and no scheduler is left to say why; retry the request"))
-                    return  # the scheduler ends the Submit call with the worker's error
-                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                self._generator_started |= address == self.placement.generator_address
-                self._relay.push(event)
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.CANCELLED:
-                log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
-                         self._relay.request_id, address, error.code().name, error.details())
-        if address == self.placement.generator_address and not finished and self._current:
+            finished = await self._read(address, call, generator)
+        finally:
+            if generator:
+                self._generator_heard.set()
+        if generator and not finished and self._current:
             self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from {address} "
                                               f"ended before the request did, after its scheduler was lost; "
                                               f"retry the request")
             if self._scheduler_gone:
                 self._fail(self._generator_cut)
+
+    async def _read(self, address: str, call: grpc.aio.UnaryStreamCall, generator: bool) -> bool:
+        """Push the stream's events into the relay; whether its final event came."""
+        finished = False
+        try:
+            async for event in call:
+                if not self._current:
+                    return False
+                if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    if self._scheduler_gone:
+                        self._fail(Unavailable(f"request {self._relay.request_id}: worker at {address} "
+                                               f"failed it and no scheduler is left to say why; retry the request"))
+                    return False  # the scheduler ends the Submit call with the worker's error
+                if generator:
+                    self._generator_started = True
+                    self._generator_heard.set()
+                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                self._relay.push(event)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
+                         self._relay.request_id, address, error.code().name, error.details())
+        return finished
 
     async def _watch(self) -> None:
         try:
@@ -114,8 +141,11 @@ class Attempt:
             if not self._current or error.code() == grpc.StatusCode.CANCELLED:
                 return
             if error.code() != grpc.StatusCode.UNAVAILABLE:
+                await asyncio.wait(self._pumps, timeout=STREAMS_GRACE_S)  # their tokens come first
                 self._fail(error_from_rpc(error))
                 return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._generator_heard.wait(), STREAMS_GRACE_S)
             if not self._generator_started:
                 self._fail(Unavailable(f"request {self._relay.request_id}: its scheduler was lost before "
                                        f"{self.placement.generator_address} started it; retry the request"))

@@ -1,0 +1,149 @@
+"""One attempt of a request in the gateway (attempt.py): the scheduler's Submit status and the
+worker's token stream are separate calls whose messages may reach the gateway in either order;
+which tokens the client gets before the status must not depend on that order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import TandemError, Unavailable
+from services.gateway.attempt import Attempt
+from services.gateway.relay import Relay
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+GENERATOR = "127.0.0.1:1"
+
+
+class FakeCall:
+    """A server-streaming call whose messages, and then its end, the test hands it in order."""
+
+    def __init__(self) -> None:
+        self._items: asyncio.Queue[object] = asyncio.Queue()
+        self.cancelled = False
+
+    def give(self, *items: object) -> None:
+        """Messages, then `grpc.aio.EOF` or an AioRpcError to end the call."""
+        for item in items:
+            self._items.put_nowait(item)
+
+    async def read(self) -> object:
+        item = await self._items.get()
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise item
+        return item
+
+    def __aiter__(self) -> FakeCall:
+        return self
+
+    async def __anext__(self) -> object:
+        item = await self.read()
+        if item is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def token(offset: int, finish: int = common_pb2.FINISH_REASON_UNSPECIFIED) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(request_id="r", output_offset=offset, token_ids=[100 + offset],
+                                    finish_reason=finish, worker_id="w")
+
+
+def started(relay: Relay) -> tuple[FakeCall, FakeCall, Attempt]:
+    submit, stream = FakeCall(), FakeCall()
+    attempt = Attempt(submit, scheduler_pb2.Placement(attempt_id="r", generator_address=GENERATOR), relay)
+    attempt.start(lambda address, request: stream)
+    return submit, stream, attempt
+
+
+async def read_all(relay: Relay) -> tuple[list[int], BaseException | None]:
+    tokens: list[int] = []
+    try:
+        async for event in relay.events(lambda: 10.0):
+            tokens.extend(event.token_ids)
+    except TandemError as error:
+        return tokens, error
+    return tokens, None
+
+
+async def test_a_failure_status_that_comes_first_still_lets_the_streamed_tokens_through() -> None:
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    submit.give(status(grpc.StatusCode.INTERNAL, "worker w failed the request"))
+    await asyncio.sleep(0)  # the status is read first
+    error_event = scheduler_pb2.TokenEvent(request_id="r", output_offset=3,
+                                           finish_reason=common_pb2.FINISH_REASON_ERROR, worker_id="w")
+    stream.give(token(0), token(1), token(2), error_event, grpc.aio.EOF)
+    tokens, error = await read_all(relay)
+    assert tokens == [100, 101, 102]
+    assert isinstance(error, TandemError) and error.message == "worker w failed the request"
+    attempt.close()
+
+
+async def test_a_failure_status_waits_at_most_the_grace_for_a_stream_that_never_ends(monkeypatch) -> None:
+    monkeypatch.setattr("services.gateway.attempt.STREAMS_GRACE_S", 0.05)
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    stream.give(token(0))
+    submit.give(status(grpc.StatusCode.INTERNAL, "the scheduler failed it"))
+    tokens, error = await read_all(relay)
+    assert tokens == [100]
+    assert isinstance(error, TandemError) and error.message == "the scheduler failed it"
+    attempt.close()
+    assert stream.cancelled and submit.cancelled
+
+
+async def test_a_break_before_the_generators_first_event_arrived_streams_on() -> None:
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    submit.give(status(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    await asyncio.sleep(0)  # the break is read before the worker's first event
+    stream.give(token(0), token(1, common_pb2.FINISH_REASON_LENGTH), grpc.aio.EOF)
+    assert await read_all(relay) == ([100, 101], None)
+    attempt.close()
+
+
+async def test_a_break_followed_by_a_stream_cut_short_fails_after_the_tokens_streamed() -> None:
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    submit.give(status(grpc.StatusCode.UNAVAILABLE, "decode worker decode-0 was lost"))
+    await asyncio.sleep(0)
+    stream.give(token(0), token(1), token(2), grpc.aio.EOF)
+    tokens, error = await read_all(relay)
+    assert tokens == [100, 101, 102]
+    assert isinstance(error, Unavailable) and "ended before the request did" in error.message
+    attempt.close()
+
+
+@pytest.mark.parametrize("stream_end", [grpc.aio.EOF, None])
+async def test_a_break_while_the_generator_never_started_fails_unavailable(monkeypatch, stream_end) -> None:
+    monkeypatch.setattr("services.gateway.attempt.STREAMS_GRACE_S", 0.05)
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    if stream_end is not None:
+        stream.give(stream_end)  # ended without an event; else silent past the grace
+    submit.give(status(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    tokens, error = await read_all(relay)
+    assert tokens == []
+    assert isinstance(error, Unavailable) and error.message == (
+        f"request r: its scheduler was lost before {GENERATOR} started it; retry the request")
+    attempt.close()
+
+
+async def test_the_stream_request_names_the_attempt() -> None:
+    opened: list[tuple[str, worker_pb2.StreamRequest]] = []
+    submit = FakeCall()
+    attempt = Attempt(submit, scheduler_pb2.Placement(attempt_id="r.1", generator_address=GENERATOR,
+                                                      prefill_address="127.0.0.1:2"), Relay("r"))
+    attempt.start(lambda address, request: opened.append((address, request)) or FakeCall())
+    assert [(a, r.request_id) for a, r in opened] == [(GENERATOR, "r.1"), ("127.0.0.1:2", "r.1")]
+    attempt.close()
