@@ -25,19 +25,25 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x88\x02\n\x0fKvRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x0c\n\x04lora\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\"\xad\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.KvRequestHeader\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"s\n\x07PushAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x32\x45\n\x11KvTransferService\x12\x30\n\x04Push\x12\x12.tandem.v1.KvChunk\x1a\x12.tandem.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"B\n\nShmSegment\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\n\n\x02\x66\x64\x18\x02 \x01(\x05\x12\r\n\x05inode\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x03\"A\n\x08ShmProbe\x12&\n\x07segment\x18\x01 \x01(\x0b\x32\x15.tandem.v1.ShmSegment\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"1\n\x0eShmProbeResult\x12\x0f\n\x07visible\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb4\x02\n\x0fKvRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x0c\n\x04lora\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12*\n\x0bshm_segment\x18\x0b \x01(\x0b\x32\x15.tandem.v1.ShmSegment\"\xc1\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.KvRequestHeader\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x12\n\nshm_offset\x18\t \x01(\x03\"s\n\x07PushAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x32\x81\x01\n\x11KvTransferService\x12\x30\n\x04Push\x12\x12.tandem.v1.KvChunk\x1a\x12.tandem.v1.PushAck(\x01\x12:\n\x08ProbeShm\x12\x13.tandem.v1.ShmProbe\x1a\x19.tandem.v1.ShmProbeResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVREQUESTHEADER']._serialized_start=67
-  _globals['_KVREQUESTHEADER']._serialized_end=331
-  _globals['_KVCHUNK']._serialized_start=334
-  _globals['_KVCHUNK']._serialized_end=507
-  _globals['_PUSHACK']._serialized_start=509
-  _globals['_PUSHACK']._serialized_end=624
-  _globals['_KVTRANSFERSERVICE']._serialized_start=626
-  _globals['_KVTRANSFERSERVICE']._serialized_end=695
+  _globals['_SHMSEGMENT']._serialized_start=66
+  _globals['_SHMSEGMENT']._serialized_end=132
+  _globals['_SHMPROBE']._serialized_start=134
+  _globals['_SHMPROBE']._serialized_end=199
+  _globals['_SHMPROBERESULT']._serialized_start=201
+  _globals['_SHMPROBERESULT']._serialized_end=250
+  _globals['_KVREQUESTHEADER']._serialized_start=253
+  _globals['_KVREQUESTHEADER']._serialized_end=561
+  _globals['_KVCHUNK']._serialized_start=564
+  _globals['_KVCHUNK']._serialized_end=757
+  _globals['_PUSHACK']._serialized_start=759
+  _globals['_PUSHACK']._serialized_end=874
+  _globals['_KVTRANSFERSERVICE']._serialized_start=877
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1006
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ShmSegment(_message.Message):
+    __slots__ = ("pid", "fd", "inode", "size")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    inode: int
+    size: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ShmProbe(_message.Message):
+    __slots__ = ("segment", "nonce")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    segment: ShmSegment
+    nonce: bytes
+    def __init__(self, segment: _Optional[_Union[ShmSegment, _Mapping]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmProbeResult(_message.Message):
+    __slots__ = ("visible", "reason")
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    visible: bool
+    reason: str
+    def __init__(self, visible: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class KvRequestHeader(_message.Message):
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "seed", "cache_salt", "num_chunks", "cached_tokens", "timings", "lora", "model")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "seed", "cache_salt", "num_chunks", "cached_tokens", "timings", "lora", "model", "shm_segment")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +47,7 @@ class KvRequestHeader(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -29,10 +58,11 @@ class KvRequestHeader(_message.Message):
     timings: _common_pb2.RequestTimings
     lora: str
     model: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    shm_segment: ShmSegment
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., shm_segment: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "header", "layer", "first_block", "num_blocks", "dtype", "shape", "data")
+    __slots__ = ("request_id", "header", "layer", "first_block", "num_blocks", "dtype", "shape", "data", "shm_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +71,7 @@ class KvChunk(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     header: KvRequestHeader
     layer: int
@@ -49,7 +80,8 @@ class KvChunk(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, request_id: _Optional[str] = ..., header: _Optional[_Union[KvRequestHeader, _Mapping]] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., header: _Optional[_Union[KvRequestHeader, _Mapping]] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("request_id", "chunks", "bytes", "blocks", "duration_ms", "admitted")

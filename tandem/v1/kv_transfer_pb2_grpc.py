@@ -40,6 +40,11 @@ class KvTransferServiceStub:
                 request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KvChunk.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.PushAck.FromString,
                 _registered_method=True)
+        self.ProbeShm = channel.unary_unary(
+                '/tandem.v1.KvTransferService/ProbeShm',
+                request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.ShmProbe.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.ShmProbeResult.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -58,6 +63,16 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeShm(self, request, context):
+        """Whether this worker can read the caller's shared-memory segments (the two
+        run on one host and see each other's processes): it opens the probe's
+        segment and compares the nonce. Answers, never fails for a segment it
+        cannot open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +80,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KvChunk.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.PushAck.SerializeToString,
+            ),
+            'ProbeShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeShm,
+                    request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.ShmProbe.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.ShmProbeResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +115,33 @@ class KvTransferService:
             '/tandem.v1.KvTransferService/Push',
             tandem_dot_v1_dot_kv__transfer__pb2.KvChunk.SerializeToString,
             tandem_dot_v1_dot_kv__transfer__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KvTransferService/ProbeShm',
+            tandem_dot_v1_dot_kv__transfer__pb2.ShmProbe.SerializeToString,
+            tandem_dot_v1_dot_kv__transfer__pb2.ShmProbeResult.FromString,
             options,
             channel_credentials,
             insecure,
