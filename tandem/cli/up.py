@@ -30,12 +30,12 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # `tandem up` settles these for its children: they get the token itself, never a file or "insecure".
 _AUTH_VARIABLES = ("TANDEM_INTERNAL_TOKEN", "TANDEM_INTERNAL_TOKEN_FILE", "TANDEM_INSECURE_INTERNAL")
-WORKER_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
+WORKER_ROLES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",), "hybrid": ("prefill", "decode")}
 
 
 @dataclass(frozen=True, slots=True)
 class UpConfig:
-    mode: str  # "disaggregated" | "colocated"
+    mode: str  # "disaggregated" | "colocated" | "hybrid" (decode workers that may prefill, see role_flags)
     prefill: int
     decode: int
     workers: int  # colocated workers
@@ -86,9 +86,11 @@ class Endpoint:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=tuple(WORKER_ROLES), default="disaggregated",
-                        help="separate prefill and decode workers, or colocated ones (default disaggregated)")
-    parser.add_argument("--prefill", type=_count, default=1, help="prefill workers (disaggregated; default 1)")
-    parser.add_argument("--decode", type=_count, default=1, help="decode workers (disaggregated; default 1)")
+                        help="separate prefill and decode workers, colocated ones, or hybrid: prefill workers and "
+                             "decode workers that prefill a request themselves when the scheduler finds it short "
+                             "enough (default disaggregated)")
+    parser.add_argument("--prefill", type=_count, default=1, help="prefill workers (disaggregated, hybrid; default 1)")
+    parser.add_argument("--decode", type=_count, default=1, help="decode workers (disaggregated, hybrid; default 1)")
     parser.add_argument("--workers", type=_count, default=1, help="colocated workers (colocated; default 1)")
     parser.add_argument("--schedulers", type=_count, default=1,
                         help="scheduler replicas (default 1); several need Redis (--redis-url or redis-server "
@@ -324,7 +326,7 @@ class LocalSystem:
                 flags = ["--advertise", self._address(port), "--scheduler", scheduler, "--model",
                          str(self.model_dir), "--threads", str(threads), "--device", device,
                          "--dtype", self.config.dtype, "--quantization", self.config.quantization,
-                         "--metrics-port", str(metrics_port)]
+                         "--metrics-port", str(metrics_port), *role_flags(self.config.mode, role)]
                 ready = _registered_and_serving(self._address(port), scheduler.split(",")[0], self.token)
                 children.append(self._service(f"{role}-{index}", role, port, flags, ready, env))
                 ports.append((port, metrics_port))
@@ -378,6 +380,12 @@ class LocalSystem:
             if port not in self._ports and port not in (self.config.grpc_port, self.config.http_port):
                 self._ports.add(port)
                 return port
+
+
+def role_flags(mode: str, role: str) -> list[str]:
+    """What a mode adds to one role's flags: in hybrid mode a decode worker also serves Run, so the
+    scheduler may prefill a request there (services/scheduler/prefill_placement.py)."""
+    return ["--hybrid"] if mode == "hybrid" and role == "decode" else []
 
 
 def _serving(address: str) -> bool:

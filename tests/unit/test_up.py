@@ -23,7 +23,7 @@ import pytest
 
 from services.common.health_cli import check
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
-from tandem.cli.up import Endpoint, _device_env, _devices
+from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
 
 REPO = Path(__file__).resolve().parents[2]
 # A `services` package that puts stand-ins for scheduler, prefill and decode in front of the real
@@ -383,3 +383,8 @@ def test_several_schedulers_without_redis_are_refused_before_anything_starts(mon
     assert capsys.readouterr().err == (
         "tandem up: --schedulers 2 needs Redis, which the replicas share (the embedded store lives in one "
         "scheduler's process); give --redis-url or install redis-server\n")
+
+
+def test_hybrid_mode_starts_decode_workers_that_prefill_too() -> None:
+    assert [role_flags("hybrid", role) for role in ("prefill", "decode")] == [[], ["--hybrid"]]
+    assert role_flags("disaggregated", "decode") == [] and role_flags("colocated", "colocated") == []
