@@ -5,7 +5,8 @@ One server at a time (they share the cores) gets every scenario of bench/loadgen
 at concurrency 1 and 8, the long-prompt mix (every 4th prompt 1,000 words) at concurrency 16 and as
 Poisson arrivals, 64 output tokens each. For each server and scenario it reports TTFT p50/p99, ITL
 p50/p99, output tokens/s and goodput under the SLOs, then each Tandem configuration's ratios to each
-peer. `--plot DIR` writes one PNG per scenario with the TTFT and ITL CDFs of every server. It prints
+peer and each Tandem configuration listed before it (hybrid against colocated and disaggregated,
+by default). `--plot DIR` writes one PNG per scenario with the TTFT and ITL CDFs of every server. It prints
 its command line, the CPU, and the load average around each server: other work on the machine moves
 the figures, so compare only servers measured in the same run.
 Bounded: every scenario sends a fixed number of requests and waits at most `--time-limit-s`.
@@ -47,7 +48,8 @@ from services.common.model_store import find_default_gguf  # noqa: E402
 from services.common.paths import tandem_home  # noqa: E402
 from tests.mesh import Mesh  # noqa: E402
 
-DEFAULT_TANDEM = ("colocated=--mode colocated", "disaggregated=--mode disaggregated --prefill 1 --decode 1")
+DEFAULT_TANDEM = ("colocated=--mode colocated", "disaggregated=--mode disaggregated --prefill 1 --decode 1",
+                  "hybrid=--mode hybrid --prefill 1 --decode 1")
 RATIO_METRICS = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms", "goodput_rps")
 WARM_UP = Scenario("warm-up", requests=2, concurrency=1, short_words=16, output_tokens=4, seed=99)
 LLAMA_START_TIMEOUT_S = 120
@@ -173,15 +175,16 @@ async def _model_of(url: str) -> str:
 
 
 def ratios(stats: list[ScenarioStats], servers: list[Server]) -> list[dict[str, object]]:
-    """Each Tandem configuration against each peer, scenario by scenario (Tandem's figure over the peer's)."""
+    """Each Tandem configuration against each peer and each Tandem configuration listed before it,
+    scenario by scenario (its figure over the other's)."""
     by_key = {(s.server, s.scenario): s for s in stats}
     peers = [s.name for s in servers if not s.is_tandem]
-    tandems = {s.name for s in servers if s.is_tandem}
+    tandems = [s.name for s in servers if s.is_tandem]
     return [{"tandem": mine.server, "peer": peer, "scenario": mine.scenario,
              **{metric: _ratio(getattr(mine, metric), getattr(by_key[peer, mine.scenario], metric))
                 for metric in RATIO_METRICS}}
             for mine in stats if mine.server in tandems
-            for peer in peers if (peer, mine.scenario) in by_key]
+            for peer in peers + tandems[:tandems.index(mine.server)] if (peer, mine.scenario) in by_key]
 
 
 def _ratio(mine: float, theirs: float) -> float | None:

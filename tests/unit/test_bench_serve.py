@@ -124,6 +124,17 @@ def test_ratios_pair_every_tandem_setup_with_every_peer_per_scenario():
     assert (row["output_tokens_per_s"], row["itl_p50_ms"]) == (2.0, 2.0)
 
 
+def test_ratios_pair_each_tandem_setup_with_the_setups_listed_before_it():
+    names = ("tandem colocated", "tandem disaggregated", "tandem hybrid")
+    servers = [Server(name, True, "", lambda: None) for name in names]
+    stats = [summarize(name, "c8", [RequestResult(1, 0.1, [0.02], 64 * (i + 1))], 1.0, Slo())
+             for i, name in enumerate(names)]
+    rows = ratios(stats, servers)
+    assert [(r["tandem"], r["peer"], r["output_tokens_per_s"]) for r in rows] == [
+        ("tandem disaggregated", "tandem colocated", 2.0), ("tandem hybrid", "tandem colocated", 3.0),
+        ("tandem hybrid", "tandem disaggregated", 1.5)]
+
+
 def test_flags_scale_the_scenarios_and_reject_unpaired_names(capsys):
     args = parse_args(["--scenario", "c8", "--scenario", "poisson-long", "--rate", "2", "--requests-scale", "0.25"])
     c8, poisson = chosen_scenarios(args)
