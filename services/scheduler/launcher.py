@@ -2,8 +2,9 @@
 
 Disaggregated: Reserve the prompt's KV blocks (and the first token's slot) on the best ranked
 decode worker that has room, then Prefill on the prefill worker, which returns after the KV
-transfer and repeats token 0. Colocated: Run. Every call carries the request's remaining deadline,
-its trace context and the internal token. A Reserve or Run still in flight when the request is
+transfer and repeats token 0. Colocated, or a hybrid decode worker that prefills the request
+itself (planner.py): Run, on the worker's ColocatedService, and Abort by its role's service. Every
+call carries the request's remaining deadline, its trace context and the internal token. A Reserve or Run still in flight when the request is
 cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
 
 Every call is bounded: Reserve, Run, Release and Abort by the control timeout (the heartbeat TTL:
@@ -112,7 +113,7 @@ class Launcher:
         placement.prefill_task = self._spawn(self._prefill(state, placement, block_ids))
 
     async def run(self, state: RequestState) -> None:
-        """Hand the request to its colocated worker (returns once it is queued there)."""
+        """Hand the request to its colocated (or hybrid decode) worker; returns once it is queued there."""
         placement = state.placement
         worker = placement.prefill
         assert worker is not None
