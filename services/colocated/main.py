@@ -6,7 +6,7 @@ import argparse
 
 from services.colocated.servicer import ColocatedServicer
 from services.worker import main_common
-from services.worker.servicer_base import TOKEN_STREAM_SERVICE
+from services.worker.servicer_base import MODEL_SERVICE, TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 SPEC = main_common.RoleSpec(
@@ -16,7 +16,7 @@ SPEC = main_common.RoleSpec(
     metrics_port=9105,
     make_servicer=lambda config, channels, loaded: ColocatedServicer(loaded),
     services=(("tandem.v1.ColocatedService", worker_pb2_grpc.add_ColocatedServiceServicer_to_server),
-              TOKEN_STREAM_SERVICE),
+              TOKEN_STREAM_SERVICE, MODEL_SERVICE),
 )
 
 

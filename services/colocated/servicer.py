@@ -2,7 +2,8 @@
 
 The baseline that disaggregation is measured against: Run queues the request in the engine and
 returns; all its tokens, the first included, go on the request's token stream (the gateway reads it). The request's
-colocated.request span, a child of the scheduler's, runs from Run until its last token or abort.
+colocated.request span, a child of the scheduler's, runs from Run until its last token or abort. A request for a
+catalogue model not resident waits for its load (services/worker/residency.py) before it is queued.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ class ColocatedServicer(WorkerServicerBase, worker_pb2_grpc.ColocatedServiceServ
         params = sampling_params(request.sampling)
         ids = list(request.token_ids)
         runtime = self.runtime
-        runtime.track(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
-        # Before the engine has it: its first iteration may be reported before the call returns.
-        runtime.spans.start(SpanName.COLOCATED, rid, extract_context(context.invocation_metadata()), prefilling=True)
-        try:
-            position = await runtime.loop.call(lambda engine: _add(engine, rid, ids, params, request))
-        except ValueError as exc:
-            runtime.forget(rid)
-            runtime.spans.end(rid, "abort")
-            raise engine_rejection(exc) from exc
+        async with runtime.serving(request.model) as served:
+            runtime.track(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
+            # Before the engine has it: its first iteration may be reported before the call returns.
+            runtime.spans.start(SpanName.COLOCATED, rid, extract_context(context.invocation_metadata()),
+                                prefilling=True)
+            try:
+                position = await served.loop.call(lambda engine: _add(engine, rid, ids, params, request))
+            except ValueError as exc:
+                runtime.forget(rid)
+                runtime.spans.end(rid, "abort")
+                raise engine_rejection(exc) from exc
         return worker_pb2.RunResponse(request_id=rid, queue_position=position)
 
 

@@ -65,6 +65,22 @@ def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str = "", en
                         help=f"{help} (env {env})".lstrip())
 
 
+def add_list_option(parser: argparse.ArgumentParser, flag: str, *, help: str = "", env: str | None = None,
+                    metavar: str | None = None) -> None:
+    """A repeatable option of comma-separated items, gathered into one tuple (default ()); the
+    flags replace TANDEM_<FLAG> (itself a comma-separated list) rather than add to it."""
+    env = env or env_name(flag)
+    parser.add_argument(flag, type=parse_list, default=env_default(env, ()), action=_ListAction, metavar=metavar,
+                        help=f"{help}; repeatable (env {env}, comma-separated)".lstrip())
+
+
+class _ListAction(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (*(() if current is self.default else current), *values))
+
+
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     """Build dataclass `cls` from the parsed flags whose names match its fields (then overrides)."""
     if not dataclasses.is_dataclass(cls):

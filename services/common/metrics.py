@@ -84,9 +84,11 @@ class ServiceMetrics:
         self.num_preemptions = counter("tandem:num_preemptions_total", "Sequences preempted for lack of KV blocks.")
         self.num_migrations = counter(
             "tandem:num_migrations_total", "Requests moved to another worker after theirs was lost.")
-        self.model_loads = counter("tandem:model_loads_total", "Models loaded onto this worker (cold starts).")
-        self.model_load_time = histogram(
-            "tandem:model_load_seconds", "Time to load a model onto this worker.", REQUEST_BUCKETS)
+        self._model_loads = Counter("tandem:model_loads_total", "Models loaded onto this worker (cold starts).",
+                                    LABELS, registry=self.registry)
+        self._model_load_time = Histogram("tandem:model_load_seconds", "Time to load a model onto this worker.",
+                                          LABELS, registry=self.registry, buckets=REQUEST_BUCKETS)
+        self.models_resident = gauge("tandem:models_resident", "Models loaded and serving on this worker.")
         self.kv_transfer_bytes = counter("tandem:kv_transfer_bytes_total", "KV cache bytes transferred.")
         self.request_prompt_tokens = histogram(
             "tandem:request_prompt_tokens", "Prompt tokens of each finished or aborted request.", TOKEN_BUCKETS)
@@ -120,6 +122,11 @@ class ServiceMetrics:
         """The scheduler's count of one conditional-disaggregation outcome ("local"/"remote", and its reason)."""
         return self._prefill_placement.labels(model_name=model_name or self.model_name, worker=self.worker,
                                               placement=placement, reason=reason)
+
+    def model_loaded(self, model_name: str, seconds: float) -> None:
+        """One load of a model onto this worker, under the loaded model's name."""
+        self._model_loads.labels(model_name=model_name, worker=self.worker).inc()
+        self._model_load_time.labels(model_name=model_name, worker=self.worker).observe(seconds)
 
     def batch_policy(self, field: str) -> Gauge:
         """The gauge of one batching-policy field (max_num_batched_tokens, max_num_seqs, chunk_size, window_ms)."""

@@ -55,6 +55,10 @@ class Attr:
     ITL_MEAN_S = "tandem.itl.mean_s"  # mean inter-token gap
     ITL_MAX_S = "tandem.itl.max_s"  # largest inter-token gap
     TOKEN_ARRIVALS_MS = "tandem.token_arrivals_ms"  # each output token's arrival, ms after the span's start
+    MODEL_NAME = "tandem.model.name"  # a model a worker loads
+    MODEL_BYTES = "tandem.model.bytes"  # its weight bytes
+    MODEL_LOAD_SECONDS = "tandem.model.load_seconds"
+    MODEL_EVICTED = "tandem.model.evicted"  # list of str: the models evicted to make room for it
     MIGRATION_FROM = "tandem.migration.from_worker"  # the generating worker of the attempt that ended
     MIGRATION_OFFSET = "tandem.migration.output_offset"  # tokens delivered before the continuation
     # Conditional disaggregation (services/scheduler/prefill_placement.py), on the scheduler.route span:
@@ -80,6 +84,7 @@ class SpanName:
     DECODE = "decode.request"
     COLOCATED = "colocated.request"  # a colocated worker's stay: its prefill iterations, then its decode
     RELAY = "scheduler.relay"  # token events relayed back to the gateway
+    MODEL_LOAD = "worker.model_load"  # a worker loading a catalogue model (not a request's hop)
 
 
 def gateway_span_name(operation: str, model: str) -> str:

@@ -16,7 +16,7 @@ from services.common.config import add_switch
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.decode.servicer import DecodeServicer
 from services.worker import main_common
-from services.worker.servicer_base import TOKEN_STREAM_SERVICE
+from services.worker.servicer_base import MODEL_SERVICE, TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
 
 
@@ -35,6 +35,7 @@ SPEC = main_common.RoleSpec(
         ("tandem.v1.DecodeService", worker_pb2_grpc.add_DecodeServiceServicer_to_server),
         ("tandem.v1.KvTransferService", kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server),
         TOKEN_STREAM_SERVICE,
+        MODEL_SERVICE,
     ),
     # Routing looks at prefill workers' caches only; a decode worker's cache serves its own recomputes.
     report_blocks=False,

@@ -28,6 +28,7 @@ from services.runtime.kv_handoff import PromptKey, Reservation
 from services.runtime.kv_transfer import KvChunk
 from services.worker.events import TrackedRequest
 from services.worker.runtime import WorkerRuntime
+from services.worker.served_model import ServedModel
 from services.worker.servicer_base import WorkerServicerBase, sampling_params
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -68,10 +69,16 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     # -- reservations -----------------------------------------------------------------------
 
     async def Reserve(self, request: worker_pb2.ReserveRequest, context) -> worker_pb2.ReserveResponse:
-        rid = request.request_id
-        engine = self.runtime.engine
-        if not rid:
+        if not request.request_id:
             raise InvalidRequest("request_id", "is empty; the scheduler must give every request an id")
+        # Once its hand-off holds the reservation, the model stays resident until the request leaves it.
+        async with self.runtime.serving(request.model) as served:
+            return await self._reserve(request, context, served)
+
+    async def _reserve(self, request: worker_pb2.ReserveRequest, context,
+                       served: ServedModel) -> worker_pb2.ReserveResponse:
+        rid = request.request_id
+        engine = served.engine
         if not 0 < request.num_tokens <= engine.max_model_len:
             raise InvalidRequest("num_tokens", f"must be in [1, {engine.max_model_len}] (the model's context), "
                                                f"got {request.num_tokens}")
@@ -86,8 +93,8 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                                            f"{DEFAULT_RESERVATION_TTL_S:.0f} s), got {request.ttl_ms}")
         prompt = PromptKey(list(request.token_ids), request.cache_salt, request.lora) if request.token_ids else None
         try:
-            reservation, free = await self.runtime.loop.call(
-                lambda e: (self.runtime.handoff.reserve(rid, request.num_tokens, prompt), e.blocks.num_free_blocks))
+            reservation, free = await served.loop.call(
+                lambda e: (served.handoff.reserve(rid, request.num_tokens, prompt), e.blocks.num_free_blocks))
         except NoFreeBlocksError as exc:
             raise Overloaded(f"decode worker {self.runtime.worker_id} cannot reserve KV for request {rid}: {exc}",
                              retry_after=RETRY_AFTER_S) from exc
@@ -101,7 +108,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                                           reused_blocks=reservation.reused_blocks)
 
     async def Release(self, request: worker_pb2.ReleaseRequest, context) -> worker_pb2.ReleaseResponse:
-        reservation = self.runtime.handoff.reservation(request.request_id)
+        reservation = self._reservation(request.request_id)
         if reservation is None:
             return worker_pb2.ReleaseResponse(released_blocks=0)
         await self._abort([request.request_id])
@@ -114,10 +121,14 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         waiting = self._waiting.get(rid)
         if waiting is not None and waiting.reservation is reservation:
             del self._waiting[rid]
-        if self.runtime.handoff.reservation(rid) is not reservation:
+        if self._reservation(rid) is not reservation:
             return  # freed meanwhile (the worker dropped all its requests)
         log.warning("reservation of request %s expired before its KV arrived; freeing its blocks", rid)
         asyncio.ensure_future(self._abort([rid]))
+
+    def _reservation(self, rid: str) -> Reservation | None:
+        served = self.runtime.holding(rid)
+        return served.handoff.reservation(rid) if served is not None else None
 
     async def _abort(self, request_ids) -> list[str]:
         for rid in request_ids:
@@ -158,7 +169,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     def _receiving(self, first: kv_transfer_pb2.KvChunk) -> tuple[Reservation, SamplingParams]:
         """The reservation a stream fills, once its header checks out (nothing is written before)."""
         rid = first.request_id
-        reservation = self.runtime.handoff.reservation(rid)
+        reservation = self._reservation(rid)
         if reservation is None:
             raise NotFound(f"no reservation for request {rid!r} on decode worker {self.runtime.worker_id}: "
                            "it expired, was aborted, or was never made; Reserve before Push")
@@ -169,6 +180,10 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         header = first.header
         if not header.prompt_token_ids or not header.output_token_ids:
             raise InvalidRequest("header", "needs the prompt token ids and the first output token id")
+        reserved_for = self.runtime.holding(rid).name
+        if self.runtime.catalogue_name(header.model) != reserved_for:
+            raise FailedPrecondition(f"request {rid!r}: the KV was computed by model {header.model!r}, the reservation "
+                                     f"is for {reserved_for!r}; KV of one model is no use to another")
         params = sampling_params(header.sampling)
         reservation.receiving = True
         return reservation, params
@@ -196,7 +211,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         chunk = KvChunk(message.layer, message.first_block, message.num_blocks, message.dtype,
                         tuple(message.shape), message.data)
         try:
-            self.runtime.handoff.import_chunk(reservation, chunk)
+            self.runtime.holding(reservation.request_id).handoff.import_chunk(reservation, chunk)
         except ValueError as exc:
             raise InvalidRequest("chunk", str(exc)) from exc
         received.chunks += 1
@@ -218,7 +233,10 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         self.runtime.track(tracked)
         self.runtime.spans.start(SpanName.DECODE, rid, waiting.trace_context, prefilling=False)
         try:
-            await self.runtime.loop.call(lambda engine: self.runtime.handoff.admit(
+            served = self.runtime.holding(rid)
+            if served is None:
+                raise KeyError(f"request {rid!r} has no reserved blocks any more")
+            await served.loop.call(lambda engine: served.handoff.admit(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
                 header.cache_salt, header.lora))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here

@@ -6,7 +6,7 @@ import argparse
 
 from services.prefill.servicer import PrefillServicer
 from services.worker import main_common
-from services.worker.servicer_base import TOKEN_STREAM_SERVICE
+from services.worker.servicer_base import MODEL_SERVICE, TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 SPEC = main_common.RoleSpec(
@@ -15,7 +15,8 @@ SPEC = main_common.RoleSpec(
     port=50061,
     metrics_port=9103,
     make_servicer=lambda config, channels, loaded: PrefillServicer(loaded, config.kv_chunk_bytes, channels),
-    services=(("tandem.v1.PrefillService", worker_pb2_grpc.add_PrefillServiceServicer_to_server), TOKEN_STREAM_SERVICE),
+    services=(("tandem.v1.PrefillService", worker_pb2_grpc.add_PrefillServiceServicer_to_server), TOKEN_STREAM_SERVICE,
+              MODEL_SERVICE),
 )
 
 

@@ -32,6 +32,7 @@ from services.runtime.engine import RequestOutput
 from services.runtime.kv_transfer import KvChunk
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
 from services.worker.runtime import WorkerRuntime
+from services.worker.served_model import ServedModel
 from services.worker.servicer_base import WorkerServicerBase, check_request, engine_rejection, sampling_params
 from services.worker.transport import ChannelPool
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -88,18 +89,20 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         output: RequestOutput | None = None
         done = False
         try:
-            try:
-                await runtime.loop.call(lambda engine: engine.add_request(
-                    rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed,
-                    lora=request.lora))
-            except ValueError as exc:
-                raise engine_rejection(exc) from exc
+            # Once its engine holds the request, the model stays resident until the request leaves it.
+            async with runtime.serving(request.model) as served:
+                try:
+                    await served.loop.call(lambda engine: engine.add_request(
+                        rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed,
+                        lora=request.lora))
+                except ValueError as exc:
+                    raise engine_rejection(exc) from exc
             output = await runtime.first_output(rid)
             # None: aborted before its first token; a final reason: the first token ended it.
             if output is not None and not is_final(output.finish_reason) and not runtime.was_aborted(rid):
-                await self._ship(request, job, output, context)
+                await self._ship(request, job, output, context, served)
                 if not runtime.was_aborted(rid):  # else the abort freed the blocks
-                    await runtime.loop.call(lambda engine: runtime.handoff.release_export(rid))
+                    await served.loop.call(lambda engine: served.handoff.release_export(rid))
             done = True
         finally:
             aborted = runtime.was_aborted(rid)
@@ -115,14 +118,14 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
     def _check_reservation(self, request: worker_pb2.PrefillRequest) -> None:
         """The decode blocks must hold the prompt's KV in this worker's block size, and the blocks the
         decode worker reused leave at least the last prompt token's block to ship."""
-        needed = self.runtime.engine.blocks_for_tokens(len(request.token_ids))
+        needed = self.runtime.blocks_for_tokens(len(request.token_ids))
         if not 0 <= request.decode_reused_blocks < needed:
             raise InvalidRequest("decode_reused_blocks", f"must be in [0, {needed - 1}] for a prompt of "
                                                          f"{len(request.token_ids)} tokens ({needed} blocks), "
                                                          f"got {request.decode_reused_blocks}")
         if not request.decode_block_ids:
             return
-        block_size = self.runtime.engine.blocks.block_size
+        block_size = self.runtime.block_size
         if len(request.decode_block_ids) < needed:
             raise FailedPrecondition(
                 f"decode_block_ids: {len(request.decode_block_ids)} block(s) reserved, but the prompt's "
@@ -130,16 +133,17 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 "prefill and decode workers must use the same block size"
             )
 
-    async def _ship(self, request, job: PrefillJob, output: RequestOutput, context) -> None:
+    async def _ship(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel) -> None:
         """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer."""
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
         try:
-            export = await self.runtime.loop.call(
-                lambda engine: self.runtime.handoff.export(rid, max_bytes, request.decode_reused_blocks))
+            export = await served.loop.call(
+                lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
         header = self._header(request, job, output, export.num_chunks)
+        header.model = served.name
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
         started = time.monotonic()
         attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks}

@@ -34,6 +34,17 @@ class EngineCounters:
         return EngineCounters(**{f.name: getattr(self, f.name) for f in fields(self)} | {
             "batch_sizes": dict(self.batch_sizes)})
 
+    def plus(self, other: EngineCounters) -> EngineCounters:
+        """Two engines' counters as one worker's (a worker holding several models): sums, the
+        histograms merged, the gauge the larger."""
+        total = self.copy()
+        for name in _MONOTONIC:
+            setattr(total, name, getattr(self, name) + getattr(other, name))
+        total.last_batch_size = max(self.last_batch_size, other.last_batch_size)
+        for size, count in other.batch_sizes.items():
+            total.batch_sizes[size] = total.batch_sizes.get(size, 0) + count
+        return total
+
     def since(self, before: EngineCounters) -> EngineCounters:
         """How much each counter grew after `before` (the gauge and the histogram as they are now)."""
         grown = self.copy()

@@ -1,8 +1,10 @@
 """Keeps the scheduler's prefix index true for this worker: the stored and evicted block hashes
 drained from the engine after each step, sent with ReportBlocks.
 
-It mirrors the engine's whole cache contents (stored minus evicted), so after registering again,
-or after a report was lost, it can resend everything with `reset`.
+It mirrors the whole cache contents of each resident model's engine (stored minus evicted), so
+after registering again, or after a report was lost, it can resend everything with `reset`. Block
+hashes do not name the base model, so two models may hold the same hash: the worker holds a block
+while any model does, and a model's eviction (`drop`) reports only the blocks no other model holds.
 """
 
 from __future__ import annotations
@@ -32,20 +34,49 @@ class BlockReporter:
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel) if channel is not None else None
         self._worker_id = worker_id
         self._metadata = metadata
-        self.cached: set[BlockHash] = set()
+        self._by_model: dict[str, set[BlockHash]] = {}
+        self._holders: dict[BlockHash, int] = {}  # hash -> models holding it
         self._stored: dict[BlockHash, None] = {}
         self._evicted: dict[BlockHash, None] = {}
         self._needs_reset = False
         self._lock = asyncio.Lock()
         self._flushing: asyncio.Task | None = None
 
-    def note(self, stored: Iterable[BlockHash], evicted: Iterable[BlockHash]) -> None:
-        """Apply drained events to the mirror and to the pending report (net changes)."""
+    @property
+    def cached(self) -> set[BlockHash]:
+        """Every hash some resident model holds."""
+        return set(self._holders)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._holders)
+
+    def note(self, model: str, stored: Iterable[BlockHash], evicted: Iterable[BlockHash]) -> None:
+        """Apply one model's drained events to the mirror and to the pending report (net changes)."""
+        held = self._by_model.setdefault(model, set())
         for block_hash in stored:
-            self.cached.add(block_hash)
-            _record(block_hash, undo=self._evicted, record=self._stored)
+            if block_hash not in held:
+                held.add(block_hash)
+                self._hold(block_hash)
         for block_hash in evicted:
-            self.cached.discard(block_hash)
+            if block_hash in held:
+                held.discard(block_hash)
+                self._let_go(block_hash)
+
+    def drop(self, model: str) -> None:
+        """The model left memory: its blocks are evicted (those no other model holds)."""
+        for block_hash in self._by_model.pop(model, set()):
+            self._let_go(block_hash)
+
+    def _hold(self, block_hash: BlockHash) -> None:
+        self._holders[block_hash] = self._holders.get(block_hash, 0) + 1
+        if self._holders[block_hash] == 1:
+            _record(block_hash, undo=self._evicted, record=self._stored)
+
+    def _let_go(self, block_hash: BlockHash) -> None:
+        self._holders[block_hash] -= 1
+        if self._holders[block_hash] == 0:
+            del self._holders[block_hash]
             _record(block_hash, undo=self._stored, record=self._evicted)
 
     @property

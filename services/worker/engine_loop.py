@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -56,6 +56,24 @@ class EngineSnapshot:
             queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in (*scheduler.waiting, *prefilling)),
             counters=engine.counters.copy(),
         )
+
+
+def combined(snapshots: Iterable[EngineSnapshot], retired: EngineCounters) -> EngineSnapshot:
+    """The snapshots of a worker's engines (one per resident model) as one, its counters on top of
+    `retired` (those of the engines evicted so far, so no counter goes down when a model leaves)."""
+    total = EngineSnapshot(counters=retired)
+    for snapshot in snapshots:
+        total = EngineSnapshot(
+            num_blocks=total.num_blocks + snapshot.num_blocks,
+            allocatable_blocks=total.allocatable_blocks + snapshot.allocatable_blocks,
+            cached_blocks=total.cached_blocks + snapshot.cached_blocks,
+            referenced_blocks=total.referenced_blocks + snapshot.referenced_blocks,
+            running=total.running + snapshot.running,
+            waiting=total.waiting + snapshot.waiting,
+            queued_prefill_tokens=total.queued_prefill_tokens + snapshot.queued_prefill_tokens,
+            counters=total.counters.plus(snapshot.counters),
+        )
+    return total
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """The command shared by `tandem prefill`, `tandem decode` and `tandem colocated`: flags (each with
 a TANDEM_* variable), the engine configuration, and the process lifecycle.
 
-Lifecycle: the gRPC server starts at once with health NOT_SERVING -> the model loads -> the
-engine thread starts -> the worker registers with the scheduler and opens its token stream ->
-SERVING. On SIGTERM/SIGINT: deregister, let running requests finish (a few seconds), abort the
+Lifecycle: the gRPC server starts at once with health NOT_SERVING -> the primary model (and any
+--preload or --pin one) loads and its engine thread starts -> the worker registers with the
+scheduler and opens its token stream -> SERVING. Other catalogue models load on their first
+request (services/worker/residency.py). On SIGTERM/SIGINT: deregister, let running requests finish (a few seconds), abort the
 rest, close the stream, stop the server.
 """
 
@@ -23,17 +24,18 @@ from typing import Any, TypeVar
 import torch
 
 from services.common import internal_auth
-from services.common.config import add_option, from_args, parse_address, parse_list, parse_size
+from services.common.config import add_list_option, add_option, from_args, parse_address, parse_list, parse_size
 from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
 from services.common.model_config import ModelConfig
-from services.common.model_store import ensure_default_model, model_name
+from services.common.model_catalogue import ModelCatalogue, ModelCatalogueError, parse_model_flag
+from services.common.model_store import ModelStoreError, model_info
 from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
 from services.runtime.engine import Engine, EngineConfig
 from services.runtime.precision import DTYPE_CHOICES, QUANTIZATION_CHOICES, Choice, Precision, resolve
-from services.worker.runtime import WorkerIdentity, WorkerRuntime
+from services.worker.runtime import ModelPlan, WorkerIdentity, WorkerRuntime
 from services.worker.servicer_base import WorkerServicerBase
 from services.worker.transport import ChannelPool
 
@@ -57,7 +59,10 @@ class WorkerConfig:
     port: int = 0
     advertise: str | None = None
     scheduler: tuple[str, ...] = (DEFAULT_SCHEDULER,)  # every replica; (): standalone (no registration, no token stream)
-    model: str | None = None  # None: the default model, converted on first use
+    model: tuple[str, ...] = ()  # DIR or NAME=DIR, the first the primary; (): the default model
+    model_memory: int | None = None  # weight bytes resident at once; None: the primary model's
+    pin: tuple[str, ...] = ()  # catalogue models loaded at start and never evicted
+    preload: tuple[str, ...] = ()  # catalogue models loaded at start
     device: str = "cpu"
     threads: int | None = None  # None: 1 on CPU (two workers share two cores), torch's default on GPU
     kv_memory: int | None = None  # None: 2 GiB on a CPU, kv_memory_fraction of free GPU memory on CUDA
@@ -139,7 +144,15 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
                     "with 127.0.0.1 for an unspecified host")
     add_option(parser, "--scheduler", type=_scheduler_addresses, default=(DEFAULT_SCHEDULER,), metavar="HOST:PORT,...",
                help="the schedulers to register with and report to (every replica); 'none' runs standalone")
-    add_option(parser, "--model", metavar="DIR", help="HF model directory; none: the default model")
+    add_list_option(parser, "--model", metavar="[NAME=]DIR",
+                    help="HF model directory to serve (as NAME; none: its directory's name), beside every model "
+                         "directory under $TANDEM_HOME/models; the first is loaded at start and serves requests "
+                         "naming no model (none: the default model)")
+    add_option(parser, "--model-memory", type=parse_size,
+               help="weights of the catalogue's models resident at once (e.g. 8GiB); a request for a model not "
+                    "resident loads it, evicting the least recently used idle ones; none: the first model's")
+    add_list_option(parser, "--pin", metavar="NAME", help="catalogue model loaded at start and never evicted")
+    add_list_option(parser, "--preload", metavar="NAME", help="catalogue model loaded at start")
     add_option(parser, "--device", default="cpu", help="cpu or cuda:N")
     add_option(parser, "--threads", type=int, help="torch threads; none: 1 on CPU, torch's choice on GPU")
     add_option(parser, "--kv-memory", type=parse_size,
@@ -182,7 +195,7 @@ def main(args: argparse.Namespace, spec: RoleSpec) -> int:
                         format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
     try:
         config = worker_config(args, spec)
-    except (internal_auth.InternalAuthError, LoraCatalogueError) as exc:
+    except (internal_auth.InternalAuthError, LoraCatalogueError, ModelCatalogueError) as exc:
         print(f"tandem {spec.name}: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(run_worker(config, spec))
@@ -192,6 +205,8 @@ def worker_config(args: argparse.Namespace, spec: RoleSpec) -> WorkerConfig:
     """The worker's settings from its flags; InternalAuthError when the internal-auth flags are wrong."""
     auth = internal_auth.auth_from_args(args, spec.name)
     lora_sources(args.lora)  # a malformed --lora fails here, before the model loads
+    for item in args.model:  # and so does a --model naming no model directory
+        parse_model_flag(item)
     return from_args(WorkerConfig, args, internal_token=auth.token, internal_tls=auth.tls)
 
 
@@ -284,26 +299,48 @@ def _build_engine(model_dir: Path, config: WorkerConfig) -> Engine:
 async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],
                         address: str, channels: ChannelPool,
                         make_engine: EngineFactory = load_engine) -> WorkerRuntime:
-    """Builds the engine (the model's, unless `make_engine` says otherwise: `tandem sim-worker` passes
-    a model-free one), resolves `loaded`, registers with the scheduler and starts the engine thread."""
-    model_dir = await asyncio.to_thread(_model_dir, config.model)
-    engine = await make_engine(model_dir, config)
+    """Reads the model catalogue, resolves `loaded`, loads the primary model (and the preloaded and
+    pinned ones: their engines are `make_engine`'s, a model-free one for `tandem sim-worker`) and
+    registers with the scheduler."""
+    catalogue = await asyncio.to_thread(ModelCatalogue.from_flags, config.model)
+    plan = await asyncio.to_thread(model_plan, catalogue, config)
     identity = WorkerIdentity(
         worker_id=config.worker_id or f"{spec.name}-{address}",
         role=spec.role,
         address=address,
-        model=model_name(model_dir),
+        model=catalogue.primary,
         device=config.device,
         local_prefill=spec.local_prefill,
     )
     schedulers = [channels.get(address) for address in config.scheduler]
-    runtime = WorkerRuntime(engine, identity, schedulers, channels.metadata, ServiceMetrics(identity.model, address),
+    runtime = WorkerRuntime(identity, plan, lambda name: make_engine(catalogue.path(name), config), schedulers,
+                            channels.metadata, ServiceMetrics(identity.model, address),
                             report_blocks=spec.report_blocks)
     loaded.set_result(runtime)
-    log.info("model %s loaded: %d KV blocks of %d tokens; registering with %s", identity.model,
-             engine.blocks.num_blocks, engine.blocks.block_size, ",".join(config.scheduler) or "no scheduler (standalone)")
+    log.info("catalogue %s (%d bytes of model memory); loading %s; registering with %s", ", ".join(catalogue.names()),
+             plan.budget, identity.model, ",".join(config.scheduler) or "no scheduler (standalone)")
     await runtime.start()
     return runtime
+
+
+def model_plan(catalogue: ModelCatalogue, config: WorkerConfig) -> ModelPlan:
+    """The catalogue's weight sizes (read from the safetensors headers) and the budget; ValueError
+    for a --pin or --preload outside the catalogue."""
+    for flag, names in (("--pin", config.pin), ("--preload", config.preload)):
+        unknown = [name for name in names if name not in catalogue]
+        if unknown:
+            raise ValueError(f"{flag} {', '.join(unknown)}: not in the catalogue ({', '.join(catalogue.names())})")
+    sizes = {name: _weight_bytes(catalogue.path(name)) for name in catalogue.names()}
+    return ModelPlan(sizes, config.model_memory or sizes[catalogue.primary], config.pin, config.preload)
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    """0 when the directory's weights cannot be read: loading it then fails that request, not the worker."""
+    try:
+        return model_info(model_dir).weight_bytes
+    except (ModelStoreError, OSError, ValueError) as exc:
+        log.warning("model %s: cannot read its weights' size (%s); requests for it will fail", model_dir, exc)
+        return 0
 
 
 async def _in_own_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -322,10 +359,3 @@ async def _in_own_thread(fn: Callable[..., T], *args: Any) -> T:
 
     threading.Thread(target=target, name="model-loader", daemon=True).start()
     return await future
-
-
-def _model_dir(model: str | None) -> Path:
-    path = Path(model).expanduser() if model else ensure_default_model()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a model directory (no config.json); pass --model DIR")
-    return path

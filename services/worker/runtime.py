@@ -1,41 +1,64 @@
-"""What every worker role shares around its engine: the engine thread, the KV hand-off, the
-requests' token streams to the gateway, their start and end reports to the scheduler, the registry
-membership, the prefix-cache reports, the request spans, metrics, and
-the load and stats it publishes.
+"""What every worker role shares around its engines: the models resident (one engine, engine
+thread and KV hand-off each, loaded on demand: services/worker/residency.py), the requests' token
+streams to the gateway, their start and end reports to the scheduler, the registry membership, the
+prefix-cache reports, the request spans, metrics, and the load and stats it publishes.
 
 A role's servicer (prefill, decode, colocated) calls into the runtime and awaits what it needs
-per request (`await runtime.first_output(rid)`); the runtime never calls a servicer. Aborts,
-whoever asks for them (an Abort RPC, a lost token stream, shutdown), go through `abort`.
+per request (`await runtime.first_output(rid)`); the runtime never calls a servicer. A servicer
+admits each request inside `async with runtime.serving(model) as served`, which loads the model
+if needed and keeps it resident meanwhile. Aborts, whoever asks for them (an Abort RPC, a lost
+token stream, shutdown), go through `abort`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
+from opentelemetry import trace
 
+from services.common.blocks import ceil_div
+from services.common.errors import FailedPrecondition, NotFound, Overloaded
 from services.common.metrics import ServiceMetrics
+from services.common.spans import Attr, SpanName
+from services.common.step_cost import StepCost, StepCostFit
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
-from services.common.step_cost import StepCost, StepCostFit
 from services.worker.block_reporter import BlockReporter
-from services.worker.engine_loop import EngineLoop, StepResult
+from services.worker.engine_loop import EngineLoop, EngineSnapshot, StepResult, combined
 from services.worker.events import TokenBatcher, TrackedRequest
 from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
 from services.worker.request_spans import RequestSpans
 from services.worker.request_waiters import RequestWaiters
-from services.worker.stats import policy_attributes, record_policy, update_metrics, worker_stats
+from services.worker.residency import ModelLoadError, ModelMemoryExhausted, ModelRecord, ResidentModels
+from services.worker.served_model import ServedModel, free_memory
+from services.worker.stats import policy_attributes, record_policy, residency_to_pb, update_metrics, worker_stats
 from services.worker.token_streams import RequestStreams
 from tandem.v1 import scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tandem.worker")
+# A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
+EngineLoader = Callable[[str], Awaitable[Engine]]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    """What a worker may hold: its catalogue's models (name -> weight bytes, the primary first), the
+    --model-memory budget, and the models pinned and preloaded at start (the primary always is)."""
+
+    sizes: Mapping[str, int]
+    budget: int
+    pinned: tuple[str, ...] = ()
+    preloaded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +66,7 @@ class WorkerIdentity:
     worker_id: str
     role: int  # common_pb2.WorkerRole
     address: str  # advertised HOST:PORT
-    model: str
+    model: str  # the primary model: loaded at start, what a request naming no model runs under
     device: str
     local_prefill: bool = False  # a decode worker that also serves Run (WorkerInfo.local_prefill)
 
@@ -60,42 +83,54 @@ class WorkerRuntime:
 
     def __init__(
         self,
-        engine: Engine,
         identity: WorkerIdentity,
+        plan: ModelPlan,
+        make_engine: EngineLoader,
         schedulers: Sequence[grpc.aio.Channel],
         metadata: tuple[tuple[str, str], ...] = (),
         metrics: ServiceMetrics | None = None,
         report_blocks: bool = True,
     ) -> None:
-        self.engine = engine
-        self.handoff = KvHandoff(engine)
         self.identity = identity
+        self.plan = plan
         self.metrics = metrics
+        self._make_engine = make_engine
+        self.models: ResidentModels[ServedModel] = ResidentModels(
+            plan.sizes, plan.budget, self._load_model, self._unload_model, ServedModel.active_requests)
         self.batcher = TokenBatcher(identity.worker_id)
         self.spans = RequestSpans()
         self.streams = RequestStreams(self._abandoned)
         self._waiters = RequestWaiters()
-        self.loop = EngineLoop(engine, self._on_step, self._on_failure)
         self.blocks = BlockReporter(schedulers[0] if schedulers and report_blocks else None, identity.worker_id,
                                     metadata)
         self.reporters = [TokenReporter(channel, identity.worker_id, metadata, on_lost=self._on_lost)
                           for channel in schedulers]
-        self.registrations = [Registration(channel, self.info(), self.load, metadata,
-                                           functools.partial(self._on_reregistered, reporter), self.apply_policy)
-                              for channel, reporter in zip(schedulers, self.reporters, strict=True)]
+        self._schedulers = list(schedulers)
+        self._metadata = metadata
+        self.registrations: list[Registration] = []  # once the primary model is loaded: see start
+        self.block_size = 0  # tokens per KV block, of every model's pool: known once the primary loads
         self.step_cost = StepCostFit()
         self.policy = scheduler_pb2.BatchPolicy()
+        self._limits: dict[str, int] = {}  # the policy's batch limits, for every engine loaded later too
         self.failed = asyncio.Event()
         self._started = time.monotonic()
-        self._previous = EngineCounters()
+        self._retired = EngineCounters()  # counters of the engines evicted so far
+        if metrics is not None:
+            metrics.models_resident.set_function(lambda: len(self.models.models()))
 
     @property
     def worker_id(self) -> str:
         return self.identity.worker_id
 
     async def start(self) -> None:
-        """Starts the engine thread, then registers (waiting for the scheduler) and opens the stream."""
-        self.loop.start()
+        """Loads the primary model and the preloaded and pinned ones, then registers (waiting for
+        the scheduler) and opens the stream."""
+        for name in dict.fromkeys((self.identity.model, *self.plan.preloaded, *self.plan.pinned)):
+            await self.models.load(name, pin=name in self.plan.pinned)
+        self.block_size = self.info().block_size
+        self.registrations = [Registration(channel, self.info(), self.load, self._metadata,
+                                           functools.partial(self._on_reregistered, reporter), self.apply_policy)
+                              for channel, reporter in zip(self._schedulers, self.reporters, strict=True)]
         if not self.registrations:
             return
         responses = await asyncio.gather(*(registration.register() for registration in self.registrations))
@@ -115,12 +150,91 @@ class WorkerRuntime:
         if self._busy() and not self.failed.is_set():
             await self.abort_all("worker shutting down")
         await asyncio.gather(*(reporter.stop() for reporter in self.reporters))
-        await self.loop.stop()
+        await asyncio.gather(*(served.loop.stop() for served in self.models.models().values()))
 
     def _busy(self) -> bool:
-        snapshot = self.loop.snapshot
-        return bool(snapshot.running or snapshot.waiting or self.handoff.num_in_flight or self.batcher.requests
-                    or self._waiters.request_ids())
+        return bool(any(served.active_requests() for served in self.models.models().values())
+                    or self.batcher.requests or self._waiters.request_ids())
+
+    # -- models -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serving(self, model: str) -> AsyncIterator[ServedModel]:
+        """The model a request names ("" for the primary), loaded if it is not resident and kept
+        resident until the block exits: admit the request inside it. NotFound for a model outside
+        the catalogue; Overloaded when it cannot fit; FailedPrecondition when its load failed."""
+        with self._load_errors():
+            async with self.models.lease(self.catalogue_name(model)) as served:
+                yield served
+
+    async def load_model(self, model: str, pin: bool) -> tuple[ModelRecord, tuple[str, ...]]:
+        """ModelService.LoadModel: the model resident (and pinned if asked), with the models its load
+        evicted (none when it was resident already); errors as `serving`'s."""
+        name = self.catalogue_name(model)
+        was_resident = self.models.resident(name) is not None
+        with self._load_errors():
+            loaded = await self.models.load(name, pin=pin)
+        (record,) = [r for r in self.models.records() if r.name == name]
+        return record, () if was_resident else loaded.evicted
+
+    def holding(self, request_id: str) -> ServedModel | None:
+        """The resident model whose KV hand-off holds the request (a reservation or an export)."""
+        return next((served for served in self.models.models().values()
+                     if request_id in served.handoff.request_ids()), None)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """KV blocks of `num_tokens` tokens (every resident model's pool has the worker's block size)."""
+        return ceil_div(num_tokens, self.block_size)
+
+    def catalogue_name(self, model: str) -> str:
+        """The catalogue model a request names ("": the primary); NotFound naming the catalogue."""
+        name = model or self.identity.model
+        if name not in self.plan.sizes:
+            raise NotFound(f"model {name!r} is not in the catalogue of worker {self.worker_id} "
+                           f"({', '.join(self.plan.sizes)}); put its directory under $TANDEM_HOME/models or "
+                           "start the worker with --model NAME=DIR")
+        return name
+
+    @contextlib.contextmanager
+    def _load_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except ModelMemoryExhausted as exc:
+            raise Overloaded(f"worker {self.worker_id}: {exc}") from exc
+        except ModelLoadError as exc:
+            raise FailedPrecondition(f"worker {self.worker_id}: {exc}") from exc
+
+    async def _load_model(self, name: str, evicted: tuple[str, ...]) -> ServedModel:
+        """Builds the model's engine (a worker.model_load span, metrics) and starts its thread."""
+        started = time.monotonic()
+        with tracer.start_as_current_span(SpanName.MODEL_LOAD, attributes={
+                Attr.MODEL_NAME: name, Attr.MODEL_BYTES: self.plan.sizes[name],
+                Attr.MODEL_EVICTED: list(evicted)}) as span:
+            engine = await self._make_engine(name)
+            seconds = time.monotonic() - started
+            span.set_attribute(Attr.MODEL_LOAD_SECONDS, seconds)
+        served = ServedModel(name, engine, EngineLoop(engine, functools.partial(self._on_step, name),
+                                                      self._on_failure), KvHandoff(engine))
+        served.loop.batch_window_s = self.policy.batch_window_ms / 1000
+        engine.scheduler.limits = replace(engine.scheduler.limits, **self._limits)
+        served.loop.start()
+        if self.metrics is not None:
+            self.metrics.model_loaded(name, seconds)
+        log.info("model %s loaded in %.2f s (%d bytes of weights%s): %d KV blocks of %d tokens", name, seconds,
+                 self.plan.sizes[name], f"; evicted {', '.join(evicted)}" if evicted else "",
+                 engine.blocks.num_blocks, engine.blocks.block_size)
+        return served
+
+    async def _unload_model(self, name: str, served: ServedModel) -> None:
+        """Stops the model's thread, reports its prefix-cache blocks evicted and frees its memory."""
+        await served.loop.stop()
+        self._retired = self._retired.plus(served.loop.snapshot.counters)
+        self.blocks.drop(name)
+        self.blocks.flush_soon()
+        device = served.engine.config.device
+        del served
+        free_memory(device)
+        log.info("model %s evicted", name)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -161,11 +275,15 @@ class WorkerRuntime:
             self.batcher.forget(request_id)
             self.streams.drop(request_id, "aborted")
             self.spans.end(request_id, "abort")
-            self.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
+        served = list(self.models.models().values())
+        for model in served:
+            for request_id in ids:
+                model.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
         if not ids:
             return []
-        held = await self.loop.call(lambda engine: [r for r in ids if self._drop(engine, r)])
-        return list(dict.fromkeys([*waited, *held]))
+        held = await asyncio.gather(*(model.loop.call(functools.partial(_drop_all, model.handoff, ids))
+                                      for model in served))
+        return list(dict.fromkeys([*waited, *(rid for rids in held for rid in rids)]))
 
     async def abort_all(self, reason: str) -> None:
         """Drops every request (the scheduler failed them: stream lost or registration expired; or shutdown)."""
@@ -175,16 +293,13 @@ class WorkerRuntime:
             await self.abort(ids)
 
     def _request_ids(self) -> list[str]:
-        return list(dict.fromkeys([*self._waiters.request_ids(), *self.handoff.request_ids(), *self.batcher.requests]))
-
-    def _drop(self, engine: Engine, request_id: str) -> bool:
-        freed = self.handoff.free(request_id)
-        return engine.abort(request_id) or freed
+        handed = [rid for model in self.models.models().values() for rid in model.handoff.request_ids()]
+        return list(dict.fromkeys([*self._waiters.request_ids(), *handed, *self.batcher.requests]))
 
     # -- engine steps -----------------------------------------------------------------------
 
-    def _on_step(self, step: StepResult) -> None:
-        self.blocks.note(step.stored, step.evicted)
+    def _on_step(self, model: str, step: StepResult) -> None:
+        self.blocks.note(model, step.stored, step.evicted)
         self.blocks.flush_soon()
         produced = self.batcher.batch(step)
         for event in produced.events:
@@ -192,9 +307,12 @@ class WorkerRuntime:
         if produced.report is not None:
             for reporter in self.reporters:
                 reporter.send(produced.report)
-        if self.metrics is not None:
-            update_metrics(self.metrics, step.snapshot, self._previous, produced.events)
-        self._previous = step.snapshot.counters
+        served = self.models.resident(model)
+        if self.metrics is not None and served is not None:
+            update_metrics(self.metrics, self._snapshot(), step.snapshot.counters.since(served.reported),
+                           produced.events)
+            served.reported = step.snapshot.counters
+        self.models.note_used(model)
         self.spans.on_step(step)
         self._waiters.note(step.outputs)
         if step.work:
@@ -244,7 +362,7 @@ class WorkerRuntime:
                  policy.batch_window_ms, self.step_cost.fit())
         self.policy = scheduler_pb2.BatchPolicy()
         self.policy.CopyFrom(policy)
-        self.loop.batch_window_s = policy.batch_window_ms / 1000
+        self._limits = changes
         self.spans.policy_attributes = policy_attributes(policy)
         if self.metrics is not None:
             record_policy(self.metrics, policy)
@@ -252,12 +370,18 @@ class WorkerRuntime:
         def apply(engine: Engine) -> None:
             engine.scheduler.limits = replace(engine.scheduler.limits, **changes)
 
-        await self.loop.call(apply)
+        for served in self.models.models().values():
+            served.loop.batch_window_s = policy.batch_window_ms / 1000
+            await served.loop.call(apply)
 
     # -- what the worker publishes ----------------------------------------------------------
 
     def info(self) -> scheduler_pb2.WorkerInfo:
-        engine = self.engine
+        """The primary model's KV pool describes the worker (each resident model has one of the same
+        --kv-memory); call once it is loaded."""
+        primary = self.models.resident(self.identity.model)
+        assert primary is not None, "info() before the primary model loaded"
+        engine = primary.engine
         return scheduler_pb2.WorkerInfo(
             worker_id=self.identity.worker_id,
             role=self.identity.role,
@@ -269,26 +393,43 @@ class WorkerRuntime:
             kv_block_bytes=engine.cache.block_bytes,
             device=self.identity.device,
             local_prefill=self.identity.local_prefill,
+            catalogue=list(self.plan.sizes),
+            model_memory_bytes=self.plan.budget,
         )
 
     def load(self) -> scheduler_pb2.WorkerLoad:
-        snapshot = self.loop.snapshot
+        """Summed over the resident models' KV pools, with each model's residency."""
+        snapshot = self._snapshot()
+        handoffs = [served.handoff for served in self.models.models().values()]
         return scheduler_pb2.WorkerLoad(
             free_blocks=snapshot.allocatable_blocks,
-            cached_blocks=len(self.blocks.cached),
+            cached_blocks=self.blocks.num_cached,
             running=snapshot.running,
-            waiting=snapshot.waiting + self.handoff.num_in_flight,
+            waiting=snapshot.waiting + sum(h.num_in_flight for h in handoffs),
             queued_prefill_tokens=snapshot.queued_prefill_tokens,
-            reserved_blocks=self.handoff.reserved_blocks,
+            reserved_blocks=sum(h.reserved_blocks for h in handoffs),
             step_cost=_step_cost_to_pb(self.step_cost.fit()),
+            models=[residency_to_pb(record) for record in self.models.records()],
+            free_model_memory_bytes=self.models.free_bytes,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
-        stats = worker_stats(self.loop.snapshot, self.handoff.reserved_blocks, self.handoff.num_in_flight)
+        handoffs = [served.handoff for served in self.models.models().values()]
+        stats = worker_stats(self._snapshot(), sum(h.reserved_blocks for h in handoffs),
+                             sum(h.num_in_flight for h in handoffs))
         stats.worker_id = self.identity.worker_id
         stats.role = self.identity.role
         stats.uptime_s = time.monotonic() - self._started
         return stats
+
+
+    def _snapshot(self) -> EngineSnapshot:
+        return combined((served.loop.snapshot for served in self.models.models().values()), self._retired)
+
+
+def _drop_all(handoff: KvHandoff, request_ids: list[str], engine: Engine) -> list[str]:
+    """In the model's engine thread: the requests it held (engine or hand-off), dropped."""
+    return [rid for rid in request_ids if handoff.free(rid) | engine.abort(rid)]
 
 
 def _step_cost_to_pb(cost: StepCost | None) -> scheduler_pb2.StepCostModel | None:

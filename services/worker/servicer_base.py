@@ -1,6 +1,6 @@
 """What the three worker servicers share: the runtime they serve once the model is loaded, the
-Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream), and the
-checks on an incoming request.
+Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream), the model
+catalogue's LoadModel and UnloadModel (ModelService), and the checks on an incoming request.
 
 The gRPC server starts before the model loads (health says NOT_SERVING meanwhile), so a servicer
 exists before its runtime and holds the future that resolves to it; an RPC that arrives in
@@ -16,10 +16,13 @@ from services.common.errors import InvalidRequest, Unavailable
 from services.common.sampling_params import SamplingParams
 from services.common.wire import DEFAULT_MAX_TOKENS, abort_ids, sampling_from_proto
 from services.worker.runtime import WorkerRuntime
+from services.worker.stats import residency_to_pb
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 
 # Every role serves it (with its role's own services): the gateway reads the requests' tokens there.
 TOKEN_STREAM_SERVICE = ("tandem.v1.TokenStreamService", worker_pb2_grpc.add_TokenStreamServiceServicer_to_server)
+# Every role serves it too: the scheduler loads, pins and unloads catalogue models there.
+MODEL_SERVICE = ("tandem.v1.ModelService", worker_pb2_grpc.add_ModelServiceServicer_to_server)
 
 
 class WorkerServicerBase:
@@ -47,6 +50,20 @@ class WorkerServicerBase:
             raise InvalidRequest("request_id", "is empty; pass the attempt id of the scheduler's Placement")
         async for event in self.runtime.streams.follow(request.request_id):
             yield event
+
+    async def LoadModel(self, request: worker_pb2.LoadModelRequest, context) -> worker_pb2.LoadModelResponse:
+        """ModelService.LoadModel: resident (loaded now, or already), pinned if asked."""
+        if not request.model:
+            raise InvalidRequest("model", "is empty; name a model of this worker's catalogue")
+        record, evicted = await self.runtime.load_model(request.model, request.pin)
+        return worker_pb2.LoadModelResponse(model=residency_to_pb(record), evicted=evicted)
+
+    async def UnloadModel(self, request: worker_pb2.UnloadModelRequest, context) -> worker_pb2.UnloadModelResponse:
+        """ModelService.UnloadModel: unpinned, and evicted now when idle (else once idle)."""
+        if not request.model:
+            raise InvalidRequest("model", "is empty; name a model of this worker's catalogue")
+        name = self.runtime.catalogue_name(request.model)
+        return worker_pb2.UnloadModelResponse(unloaded=await self.runtime.models.unload(name))
 
 
 def check_request(request_id: str, token_ids: Iterable[int]) -> None:

@@ -11,6 +11,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.wire import FINISH_REASON_FROM_PROTO
 from services.runtime.counters import EngineCounters
 from services.worker.engine_loop import EngineSnapshot
+from services.worker.residency import ModelRecord
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 
@@ -39,9 +40,10 @@ def worker_stats(snapshot: EngineSnapshot, reserved_blocks: int, pending: int) -
     )
 
 
-def update_metrics(metrics: ServiceMetrics, now: EngineSnapshot, before: EngineCounters,
+def update_metrics(metrics: ServiceMetrics, now: EngineSnapshot, grown: EngineCounters,
                    events: Iterable[scheduler_pb2.TokenEvent]) -> None:
-    """Gauges from the snapshot, counters by their growth since `before`, latencies from the step's events."""
+    """Gauges from the worker's snapshot, counters by their growth (`grown`: one engine's since its
+    previous step), latencies from the step's events."""
     for event in events:
         if event.output_offset == 0 and event.token_ids:
             metrics.time_to_first_token.observe(event.timings.time_to_first_token_ms / 1000)
@@ -51,12 +53,17 @@ def update_metrics(metrics: ServiceMetrics, now: EngineSnapshot, before: EngineC
     metrics.num_requests_running.set(now.running)
     metrics.num_requests_waiting.set(now.waiting)
     metrics.kv_cache_usage.set(now.referenced_blocks / max(now.num_blocks, 1))
-    grown = now.counters.since(before)
     metrics.num_preemptions.inc(grown.preemptions)
     metrics.prefix_cache_queries.inc(grown.prefix_queried_tokens)
     metrics.prefix_cache_hits.inc(grown.prefix_hit_tokens)
     metrics.generation_tokens.inc(grown.generated_tokens)
     metrics.kv_transfer_bytes.inc(grown.kv_bytes_sent)
+
+
+def residency_to_pb(record: ModelRecord) -> scheduler_pb2.ModelResidency:
+    return scheduler_pb2.ModelResidency(name=record.name, state=int(record.state), pinned=record.pinned,
+                                        weight_bytes=record.weight_bytes, active_requests=record.active_requests,
+                                        idle_ms=record.idle_ms)
 
 
 def policy_attributes(policy: scheduler_pb2.BatchPolicy) -> dict[str, int]:

@@ -25,6 +25,7 @@ EXPECTED_FAMILIES = {
     "tandem:num_migrations_total": "counter",
     "tandem:model_loads_total": "counter",
     "tandem:model_load_seconds": "histogram",
+    "tandem:models_resident": "gauge",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:request_prompt_tokens": "histogram",

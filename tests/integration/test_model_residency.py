@@ -1,0 +1,216 @@
+"""Models on a shared worker: a real colocated worker whose catalogue holds the default model and a
+tiny random-weights Llama (built here into a temporary $TANDEM_HOME/models), with room for one
+model's weights. A request for the model not resident loads it (cold start) and gets HF's exact
+greedy tokens; the other model is evicted, its prefix-cache blocks reported evicted, and loaded
+again on its next request; each load is a worker.model_load span and counted in /metrics.
+ModelService pins and unloads; a name outside the catalogue and a model that cannot fit are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.spans import Attr, SpanName
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
+from tests.hf_reference import Reference, assert_matches, reference_outputs
+from tests.integration.test_workers import (
+    Scheduler,
+    Worker,
+    cache_index,
+    spawn_worker,
+    start_scheduler,
+    tokens_of,
+    wait_serving,
+)
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(300)]
+
+DEFAULT = "SmolLM2-135M-Instruct"
+TINY = "TinyLlama-Random"
+DEFAULT_WEIGHT_BYTES = 134_515_008 * 4  # fp32, lm_head tied (tests/unit/test_model_store.py)
+MAX_TOKENS = 12
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+RESIDENT = scheduler_pb2.MODEL_STATE_RESIDENT
+
+
+def build_tiny_llama(default_model_dir: Path, out: Path) -> Path:
+    """A 2-layer Llama with random weights (seeded) and the default model's tokenizer, as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = json.loads((default_model_dir / "config.json").read_text())
+    config = LlamaConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=base["bos_token_id"], eos_token_id=base["eos_token_id"],
+                         pad_token_id=base["pad_token_id"], tie_word_embeddings=True,
+                         initializer_range=0.5)  # logits far apart: no near-ties in greedy decoding
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, out / name)
+    return out
+
+
+@dataclass
+class Shared:
+    scheduler: Scheduler
+    worker: Worker
+    run_dir: Path
+    tiny_dir: Path
+    tiny_bytes: int
+
+    @property
+    def recorder(self):
+        return self.scheduler.servicer
+
+    def run(self, rid: str, prompt: list[int], model: str = "", **fields) -> list[int]:
+        self.recorder.read(self.worker, rid)
+        sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **fields)
+        request = worker_pb2.RunRequest(request_id=rid, token_ids=prompt, model=model, seed=7, sampling=sampling)
+        worker_pb2_grpc.ColocatedServiceStub(self.worker.channel).Run(request, timeout=120)
+        return tokens_of(self.recorder.stream(rid, timeout=120))
+
+    def models(self) -> worker_pb2_grpc.ModelServiceStub:
+        return worker_pb2_grpc.ModelServiceStub(self.worker.channel)
+
+    def load(self) -> scheduler_pb2.WorkerLoad:
+        return self.recorder.loads[self.worker.worker_id]
+
+    def resident(self) -> list[tuple[str, int, bool]]:
+        """(name, state, pinned) of each model the latest heartbeat reports."""
+        return [(m.name, m.state, m.pinned) for m in self.load().models]
+
+    def wait_resident(self, expected: list[tuple[str, int, bool]]) -> None:
+        wait_until(lambda: self.worker.worker_id in self.recorder.loads and self.resident() == expected,
+                   f"heartbeat reporting {expected}")
+
+    def metrics(self) -> dict[str, float]:
+        """Each sample of the worker's /metrics page, by its line's name and labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.worker.metrics_port}/metrics", timeout=5) as response:
+            page = response.read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                if line and not line.startswith("#")}
+
+    def load_spans(self) -> list[dict]:
+        spans: list[dict] = []
+        for path in self.run_dir.glob("spans-*.jsonl"):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record.get("name") == SpanName.MODEL_LOAD and "end_ns" in record:
+                    spans.append(record)
+        return sorted(spans, key=lambda r: r["start_ns"])
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, default_model_dir) -> Iterator[Shared]:
+    from services.common.model_store import model_info
+
+    tmp = tmp_path_factory.mktemp("residency")
+    tiny_dir = build_tiny_llama(default_model_dir, tmp / "home" / "models" / TINY)
+    scheduler = start_scheduler()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TANDEM_HOME", str(tmp / "home"))
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # spans reach the file soon after they end
+        worker = spawn_worker("colocated", scheduler.address, tmp, "--model", str(default_model_dir))
+    try:
+        wait_serving(worker)
+        yield Shared(scheduler, worker, tmp / "run", tiny_dir, model_info(tiny_dir).weight_bytes)
+    finally:
+        worker.stop()
+        scheduler.server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return [tokenizer(text)["input_ids"] for text in (
+        "The three primary colors are red, yellow and blue. Mixing red and blue gives",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    )]
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir, shared, prompts) -> dict[str, list[Reference]]:
+    return {DEFAULT: reference_outputs(default_model_dir, prompts, MAX_TOKENS),
+            TINY: reference_outputs(shared.tiny_dir, prompts, MAX_TOKENS)}
+
+
+def test_registers_its_catalogue_and_budget(shared):
+    (info,) = shared.recorder.registrations
+    assert (info.model, list(info.catalogue)) == (DEFAULT, [DEFAULT, TINY])
+    assert info.model_memory_bytes == DEFAULT_WEIGHT_BYTES
+    assert [(m.name, m.state, m.pinned, m.weight_bytes) for m in info.load.models] == [
+        (DEFAULT, RESIDENT, False, DEFAULT_WEIGHT_BYTES)]
+    assert info.load.free_model_memory_bytes == 0
+
+
+def test_cold_start_evicts_the_idle_model_and_serves_exact_tokens(shared, prompts, references):
+    default_tokens = shared.run("warm-default", prompts[0])
+    assert_matches(default_tokens, references[DEFAULT][0], "default model, resident")
+    reports = shared.recorder.block_reports
+    default_blocks = shared.recorder.wait(lambda: cache_index(reports), 10, "the default model's blocks reported")
+
+    tiny_tokens = shared.run("cold-tiny", prompts[0], model=TINY)
+    assert_matches(tiny_tokens, references[TINY][0], "tiny model, cold start")
+    assert tiny_tokens != default_tokens
+    shared.wait_resident([(TINY, RESIDENT, False)])
+    assert shared.load().free_model_memory_bytes == DEFAULT_WEIGHT_BYTES - shared.tiny_bytes
+    # The default model's blocks left the index with it; the tiny model's prompt hashes the same
+    # (block hashes do not name the model), so the same chain is held again, by the tiny model.
+    assert any(set(r.evicted) >= default_blocks for r in shared.recorder.block_reports)
+
+    again = shared.run("reload-default", prompts[1])
+    assert_matches(again, references[DEFAULT][1], "default model, reloaded")
+    shared.wait_resident([(DEFAULT, RESIDENT, False)])
+
+    spans = wait_until(lambda: s if len(s := shared.load_spans()) == 3 else None, "three worker.model_load spans")
+    assert [(s["attributes"][Attr.MODEL_NAME], s["attributes"][Attr.MODEL_EVICTED]) for s in spans] == [
+        (DEFAULT, []), (TINY, [DEFAULT]), (DEFAULT, [TINY])]
+    assert [s["attributes"][Attr.MODEL_BYTES] for s in spans] == [
+        DEFAULT_WEIGHT_BYTES, shared.tiny_bytes, DEFAULT_WEIGHT_BYTES]
+    assert all(s["attributes"][Attr.MODEL_LOAD_SECONDS] > 0 for s in spans)
+
+    metrics = shared.metrics()
+    worker = shared.worker.address
+    assert metrics[f'tandem:model_loads_total{{model_name="{DEFAULT}",worker="{worker}"}}'] == 2
+    assert metrics[f'tandem:model_loads_total{{model_name="{TINY}",worker="{worker}"}}'] == 1
+    assert metrics[f'tandem:model_load_seconds_count{{model_name="{TINY}",worker="{worker}"}}'] == 1
+    assert metrics[f'tandem:models_resident{{model_name="{DEFAULT}",worker="{worker}"}}'] == 1
+
+
+def test_model_service_pins_and_unloads_and_refusals_name_the_catalogue(shared, prompts):
+    stub = shared.models()
+    loaded = stub.LoadModel(worker_pb2.LoadModelRequest(model=TINY, pin=True), timeout=120)
+    assert (loaded.model.name, loaded.model.state, loaded.model.pinned) == (TINY, RESIDENT, True)
+    assert list(loaded.evicted) == [DEFAULT]
+
+    with pytest.raises(grpc.RpcError) as full:
+        shared.run("no-room", prompts[0], model=DEFAULT)
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert full.value.details() == (
+        f"worker {shared.worker.worker_id}: model '{DEFAULT}' needs {DEFAULT_WEIGHT_BYTES} bytes of "
+        f"weights; {DEFAULT_WEIGHT_BYTES - shared.tiny_bytes} of --model-memory {DEFAULT_WEIGHT_BYTES} are free "
+        f"and the models holding the rest are busy, pinned or loading ({TINY}); retry later, or on a worker with room")
+
+    with pytest.raises(grpc.RpcError) as unknown:
+        shared.run("unknown", prompts[0], model="nope")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert unknown.value.details() == (
+        f"model 'nope' is not in the catalogue of worker {shared.worker.worker_id} ({DEFAULT}, {TINY}); put its "
+        "directory under $TANDEM_HOME/models or start the worker with --model NAME=DIR")
+
+    assert stub.UnloadModel(worker_pb2.UnloadModelRequest(model=TINY), timeout=30).unloaded is True
+    shared.wait_resident([])
+    assert shared.load().free_model_memory_bytes == DEFAULT_WEIGHT_BYTES
+    assert len(shared.run("after-unload", prompts[1])) == MAX_TOKENS  # the primary loads again on demand
