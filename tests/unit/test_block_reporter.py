@@ -1,0 +1,40 @@
+"""The prefix-cache mirror of a worker holding several models: a hash is held while any model holds
+it, and a model's eviction reports evicted only the blocks no other model holds."""
+
+from __future__ import annotations
+
+from services.common.block_hash import BlockHash
+from services.worker.block_reporter import BlockReporter
+
+A, B, C = (BlockHash(f"{i:032x}") for i in (1, 2, 3))
+
+
+def _report(reporter: BlockReporter) -> tuple[list[str], list[str]]:
+    request = reporter._take_request()
+    return sorted(request.stored), sorted(request.evicted)
+
+
+def test_a_dropped_model_evicts_only_the_blocks_no_other_model_holds():
+    reporter = BlockReporter(None, "w")
+    reporter.note("m1", [A, B], [])
+    reporter.note("m2", [B, C], [])
+    assert _report(reporter) == ([A, B, C], [])
+    reporter.drop("m1")
+    assert reporter.cached == {B, C} and reporter.num_cached == 2
+    assert _report(reporter) == ([], [A])
+    reporter.note("m2", [], [B])
+    reporter.drop("m2")
+    assert _report(reporter) == ([], [B, C])
+    assert not reporter.pending and reporter.cached == set()
+
+
+def test_a_hash_evicted_then_stored_before_a_report_cancels_out():
+    reporter = BlockReporter(None, "w")
+    reporter.note("m1", [A], [])
+    _report(reporter)
+    reporter.drop("m1")
+    reporter.note("m2", [A], [])
+    assert not reporter.pending
+    reporter.note("m2", [A], [])  # stored again by the same model: still one holder
+    reporter.drop("m2")
+    assert _report(reporter) == ([], [A])
