@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-import grpc
-
 from services.common.paths import run_dir
+from services.common.tls import MutualTLS, mutual_tls
 from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -159,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         token = _internal_token(config.internal_token_file)
+        internal_tls = _internal_tls()
     except ValueError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
@@ -176,7 +176,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    system = LocalSystem(config, model_dir, run_dir(), token)
+    system = LocalSystem(config, model_dir, run_dir(), token, internal_tls)
     try:
         system.start(stop)
         for endpoint in system.endpoints:
@@ -230,6 +230,13 @@ def _internal_token(token_file: Path | None) -> str:
     return secrets.token_urlsafe(32)
 
 
+def _internal_tls() -> MutualTLS | None:
+    """The internal plane's mutual TLS that the children read from the environment this launcher
+    hands them (TANDEM_INTERNAL_TLS_*), for asking them whether they are up; TLSConfigError when incomplete."""
+    files = [os.environ.get(f"TANDEM_INTERNAL_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+    return mutual_tls(*(Path(f) if f else None for f in files), os.environ.get("TANDEM_INTERNAL_TLS_SERVER_NAME"))
+
+
 class LocalSystem:
     """The children of one `tandem up`, started tier by tier: redis, scheduler, workers, gateway.
 
@@ -237,11 +244,13 @@ class LocalSystem:
     the scheduler lists them, so `ready` means a request can be served.
     """
 
-    def __init__(self, config: UpConfig, model_dir: Path, logs: Path, token: str) -> None:
+    def __init__(self, config: UpConfig, model_dir: Path, logs: Path, token: str,
+                 internal_tls: MutualTLS | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.logs = logs
         self.token = token
+        self.internal_tls = internal_tls  # the scheduler and workers then answer only over it
         self.tiers: list[list[Child]] = []
         self.endpoints: list[Endpoint] = []
         self._ports: set[int] = set()
@@ -327,7 +336,8 @@ class LocalSystem:
                          str(self.model_dir), "--threads", str(threads), "--device", device,
                          "--dtype", self.config.dtype, "--quantization", self.config.quantization,
                          "--metrics-port", str(metrics_port), *role_flags(self.config.mode, role)]
-                ready = _registered_and_serving(self._address(port), scheduler.split(",")[0], self.token)
+                ready = _registered_and_serving(self._address(port), scheduler.split(",")[0], self.token,
+                                                self.internal_tls)
                 children.append(self._service(f"{role}-{index}", role, port, flags, ready, env))
                 ports.append((port, metrics_port))
         self._start_tier(children, stop)
@@ -338,7 +348,8 @@ class LocalSystem:
         port = self.config.grpc_port or self._free_port()
         http_port = self.config.http_port or self._free_port()
         flags = ["--http-port", str(http_port), "--scheduler", scheduler, "--model", str(self.model_dir)]
-        child = self._service("gateway", "gateway", port, flags)
+        address = self._address(port)  # the public door: plaintext, whatever the internal plane runs on
+        child = self._service("gateway", "gateway", port, flags, lambda: _serving(address))
         self._start_tier([child], stop)
         self.endpoints.append(Endpoint("gateway", "grpc", self._address(port), child.pid))
         self.endpoints.append(Endpoint("gateway", "http", f"http://{self._address(http_port)}", child.pid))
@@ -350,7 +361,8 @@ class LocalSystem:
         `env` is laid over the launcher's environment."""
         argv = [sys.executable, "-m", "tandem.cli", command, "--host", self.config.host, "--port", str(port), *flags]
         address = self._address(port)
-        return Child(name, argv, self.logs / f"{name}.log", ready or (lambda: _serving(address)), env=env or {})
+        ready = ready or (lambda: _serving(address, self.internal_tls))
+        return Child(name, argv, self.logs / f"{name}.log", ready, env=env or {})
 
     def _start_tier(self, children: list[Child], stop: threading.Event) -> None:
         self.tiers.append(children)
@@ -388,22 +400,24 @@ def role_flags(mode: str, role: str) -> list[str]:
     return ["--hybrid"] if mode == "hybrid" and role == "decode" else []
 
 
-def _serving(address: str) -> bool:
+def _serving(address: str, tls: MutualTLS | None = None) -> bool:
     from services.common.health_cli import SERVING, check
 
-    return check(address, timeout=1.0) == SERVING
+    return check(address, timeout=1.0, tls=tls) == SERVING
 
 
-def _registered_and_serving(address: str, scheduler: str, token: str) -> Callable[[], bool]:
+def _registered_and_serving(address: str, scheduler: str, token: str,
+                            tls: MutualTLS | None) -> Callable[[], bool]:
     """A worker is ready when it is SERVING and the scheduler's registry lists its address."""
     from services.common.grpc_server import INTERNAL_TOKEN_KEY
+    from services.common.health_cli import channel as health_channel
 
     metadata = ((INTERNAL_TOKEN_KEY, token),)
 
     def ready() -> bool:
-        if not _serving(address):
+        if not _serving(address, tls):
             return False
-        with grpc.insecure_channel(scheduler) as channel:
+        with health_channel(scheduler, tls) as channel:
             stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
                 scheduler_pb2.SchedulerStatsRequest(), timeout=1.0, metadata=metadata)
         return address in {worker.info.address for worker in stats.workers}

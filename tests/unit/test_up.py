@@ -18,12 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+import grpc
 import psutil
 import pytest
 
 from services.common.health_cli import check
+from services.common.tls import MutualTLS
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
 from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
+from tests.certificates import CertificateAuthority
 
 REPO = Path(__file__).resolve().parents[2]
 # A `services` package that puts stand-ins for scheduler, prefill and decode in front of the real
@@ -33,7 +36,9 @@ FAKE_COMMON = '''
 import asyncio, os
 from pathlib import Path
 import grpc
+from services.common.channels import internal_channel
 from services.common.grpc_server import create_server
+from services.common.tls import mutual_tls
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 def add_arguments(parser):
@@ -50,7 +55,12 @@ class Registry(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Stats(self, request, context):
         return scheduler_pb2.SchedulerStats(workers=[scheduler_pb2.WorkerStatus(info=w) for w in self.workers])
 
+def internal_tls():  # the internal plane's mutual TLS, when the environment gives it, as services read it
+    files = [os.environ.get(f"TANDEM_INTERNAL_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+    return mutual_tls(*(Path(f) if f else None for f in files))
+
 async def serve(args, role):
+    tls = internal_tls()
     if os.environ.get("FAKE_FAIL") == role:
         raise SystemExit(f"{role}: failing on purpose")
     if os.environ.get("FAKE_CRASH_ON_RESTART") == role:
@@ -58,13 +68,13 @@ async def serve(args, role):
         if marker.exists():
             raise SystemExit(f"{role}: failing on restart on purpose")
         marker.touch()
-    server = create_server(args.host, int(args.port))
+    server = create_server(args.host, int(args.port), credentials=tls.server_credentials() if tls else None)
     if role == "scheduler":
         server.add_service("tandem.v1.SchedulerService",
                            scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, Registry())
     await server.start()
     if role != "scheduler":
-        async with grpc.aio.insecure_channel(args.scheduler) as channel:
+        async with internal_channel(args.scheduler, tls=tls) as channel:
             info = scheduler_pb2.WorkerInfo(worker_id=args.advertise, address=args.advertise,
                                              role=common_pb2.WorkerRole.Value(f"WORKER_ROLE_{role.upper()}"),
                                              model=Path(args.model).name)  # as the gateway's health expects
@@ -97,9 +107,10 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def start_up(fakes: Path, tmp_path: Path, *flags: str, fail: str = "", crash_on_restart: str = "") -> subprocess.Popen[str]:
+def start_up(fakes: Path, tmp_path: Path, *flags: str, fail: str = "", crash_on_restart: str = "",
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(fakes), "TANDEM_RUN_DIR": str(tmp_path / "run"), "FAKE_FAIL": fail,
-           "FAKE_CRASH_ON_RESTART": crash_on_restart}
+           "FAKE_CRASH_ON_RESTART": crash_on_restart, **(env or {})}
     argv = [sys.executable, "-m", "tandem.cli", "up", "--grpc-port", "0", "--http-port", "0", "--model",
             str(tmp_path), *flags]
     # cwd outside the repository: `python -m` puts the cwd first on sys.path, before the stand-ins.
@@ -199,6 +210,26 @@ def test_up_prints_endpoints_restarts_a_killed_worker_and_stops_cleanly(fakes, m
     finally:
         stop(up)
     assert psutil.wait_procs(children, timeout=5)[1] == []
+
+
+def test_up_comes_up_when_the_internal_plane_runs_on_mutual_tls(fakes, model_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("internal-tls")
+    issued = CertificateAuthority.create(directory).issue(directory, "tandem-service")
+    env = {"TANDEM_INTERNAL_TLS_CA": str(issued.ca), "TANDEM_INTERNAL_TLS_CERT": str(issued.cert),
+           "TANDEM_INTERNAL_TLS_KEY": str(issued.key)}
+    up = start_up(fakes, model_dir, "--start-timeout", "60", env=env)
+    try:
+        addresses = {row[0]: row[2] for row in read_until_ready(up) if row[1] == "grpc"}
+        tls = MutualTLS(*issued.pem())
+        for name in ("scheduler", "prefill-0", "decode-0"):
+            assert check(addresses[name], tls=tls) == "SERVING", name
+            with pytest.raises(grpc.RpcError):  # it serves mutual TLS only: a plaintext question gets no answer
+                check(addresses[name])
+        assert check(addresses["gateway"]) == "SERVING"  # the public door: plaintext without --tls-cert
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        stop(up)
 
 
 def test_a_crash_loop_gives_up_after_max_restarts_and_stops_everything(fakes, model_dir):
