@@ -13,20 +13,22 @@ from services.common.errors import (
 BUSY = "the server is at capacity; retry after the delay in retry-after"
 NO_WORKER = "no worker can run the request now (none is available, or the one running it was lost); retry after " \
             "the delay in retry-after"
+NO_SCHEDULER = "no scheduler can be reached now; retry after the delay in retry-after"
 DEADLINE = "the request's deadline passed before it completed"
 INTERNAL = "the request failed inside the server; the operator can look it up by its request id"
 
 
-def for_client(error: TandemError, request_id: str) -> TandemError:
+def for_client(error: TandemError, request_id: str, scheduler_unreached: bool = False) -> TandemError:
     """The error to send for a request that failed upstream. Errors about the request itself
-    (INVALID_ARGUMENT, NOT_FOUND) keep their message, which names the field to fix."""
+    (INVALID_ARGUMENT, NOT_FOUND) keep their message, which names the field to fix. UNAVAILABLE
+    says whether no scheduler could be reached (`scheduler_unreached`) or no worker could run it."""
     if isinstance(error, InvalidRequest | NotFound):
         return error
     if isinstance(error, Overloaded):
         return Overloaded(_named(BUSY, request_id), retry_after=error.retry_after)
     if isinstance(error, Unavailable):
         retry = DEFAULT_RETRY_AFTER_S if error.retry_after is None else error.retry_after
-        return Unavailable(_named(NO_WORKER, request_id), retry_after=retry)
+        return Unavailable(_named(NO_SCHEDULER if scheduler_unreached else NO_WORKER, request_id), retry_after=retry)
     if isinstance(error, DeadlineExceeded):
         return DeadlineExceeded(_named(DEADLINE, request_id))
     return TandemError(_named(INTERNAL, request_id))

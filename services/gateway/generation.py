@@ -93,6 +93,7 @@ class Generation:
         self._closed = False
         self._finished = False  # a finish reason arrived
         self._error_recorded = False
+        self._scheduler_unreached = False  # the request failed because its last round of Submits reached none
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._chunks()
@@ -148,6 +149,7 @@ class Generation:
                 if unreached % self._upstream.num_schedulers:
                     continue
                 if self._remaining() <= backoff + _ANSWER_RESERVE_S:
+                    self._scheduler_unreached = True
                     raise
                 log.info("request %s: no scheduler can be reached (%s); submitting again in %.1f s",
                          self.request_id, exc.details(), backoff)
@@ -223,7 +225,7 @@ class Generation:
         log.info("request %s failed: %s", self.request_id, detail)  # info: a full queue refuses many at once
         telemetry.record_failed(self._span, error, detail)
         self._error_recorded = True
-        return for_client(error, self.request_id)
+        return for_client(error, self.request_id, self._scheduler_unreached)
 
 
 class GenerationPipeline:

@@ -16,6 +16,7 @@ import pytest
 from services.common.errors import Unavailable
 from services.common.grpc_server import GrpcServer, create_server
 from services.common.tokenizer import TextCodec
+from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
 from services.gateway.main import GENERATE_SERVICE
 from services.gateway.request import ServedModel
@@ -123,6 +124,7 @@ async def test_a_schedulers_own_refusal_is_final(default_model_dir) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await tokens(stub, "refused")
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert error.value.details() == f"{client_errors.NO_WORKER} (request refused)"  # the scheduler answered
         assert (a.submits, b.submits) == (["refused"], [])
     finally:
         await a_server.stop(0)
@@ -134,3 +136,4 @@ async def test_no_scheduler_reachable_until_the_deadline_is_unavailable(default_
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await tokens(stub, "lost", timeout=1.5)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # given up while time was left to say so
+        assert error.value.details() == f"{client_errors.NO_SCHEDULER} (request lost)"
