@@ -28,6 +28,7 @@ EXPECTED_FAMILIES = {
     "tandem:models_resident": "gauge",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:request_success_total": "counter",
+    "tandem:prefill_placement_total": "counter",
     "tandem:request_prompt_tokens": "histogram",
     "tandem:request_generation_tokens": "histogram",
     "tandem:prompt_tokens_total": "counter",
