@@ -96,7 +96,8 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """A served model: pass `id` as `model=`; prompt plus output must fit in `max_model_len` tokens."""
+    """A served model: pass `id` as `model=`; prompt plus output must fit in `max_model_len` tokens.
+    `resident_workers` workers hold it loaded now (none: the first request for it loads it)."""
 
     id: str
     max_model_len: int
@@ -104,6 +105,8 @@ class ModelInfo:
     has_chat_template: bool
     created: int
     owned_by: str
+    resident: bool = False
+    resident_workers: int = 0
 
 
 class ChunkDecoder:
@@ -137,7 +140,8 @@ def chunk_from_pb(msg: gateway_pb2.GenerateResponse, request_id: str, trace_id: 
 
 def model_from_pb(card: gateway_pb2.ModelCard) -> ModelInfo:
     return ModelInfo(id=card.id, max_model_len=card.max_model_len, vocab_size=card.vocab_size,
-                     has_chat_template=card.has_chat_template, created=card.created, owned_by=card.owned_by)
+                     has_chat_template=card.has_chat_template, created=card.created, owned_by=card.owned_by,
+                     resident=card.resident, resident_workers=card.resident_workers)
 
 
 class CompletionBuilder:

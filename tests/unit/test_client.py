@@ -131,7 +131,7 @@ class FakeGateway(gateway_pb2_grpc.GenerateServiceServicer):
         if self.models_failures:
             await _abort(context, self.models_failures.pop(0))
         card = gateway_pb2.ModelCard(id="smol", max_model_len=8192, vocab_size=49152, has_chat_template=True,
-                                     created=1700000000, owned_by="tandem")
+                                     created=1700000000, owned_by="tandem", resident=True, resident_workers=2)
         return gateway_pb2.ListModelsResponse(models=[card])
 
 
@@ -310,7 +310,7 @@ def test_token_ids_prompt_is_sent_as_ids(gateway: FakeGateway, kind: str) -> Non
 def test_models_lists_the_served_models(gateway: FakeGateway, kind: str) -> None:
     assert call(kind, gateway.target, "models") == [
         ModelInfo(id="smol", max_model_len=8192, vocab_size=49152, has_chat_template=True, created=1700000000,
-                  owned_by="tandem")]
+                  owned_by="tandem", resident=True, resident_workers=2)]
 
 
 def test_options_reach_the_server_and_unset_ones_stay_unset(gateway: FakeGateway) -> None:
