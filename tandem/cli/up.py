@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
 from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
+from tandem.cli.topology import scheduler_name
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -314,7 +315,7 @@ class LocalSystem:
                if self.config.slo_ttft_ms or self.config.slo_itl_ms else [])
         placement = ["--placement", self.config.placement] if self.config.placement != "cost" else []
         ports = [(self._free_port(), self._free_port()) for _ in range(self.config.schedulers)]
-        children = [self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port,
+        children = [self._service(scheduler_name(i), "scheduler", port,
                                   ["--metrics-port", str(metrics_port), *slo, *placement])
                     for i, (port, metrics_port) in enumerate(ports)]
         self._start_tier(children, stop)
