@@ -5,9 +5,13 @@ workers hold each model, from the scheduler's Stats (the first scheduler that an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.tokenizer import TextCodec
+from services.gateway import main as gateway_main
 from services.gateway.generation import GenerationPipeline
 from services.gateway.http_app import HttpConfig, create_http_app
 from services.gateway.models import GatewayModels, LoadedModel, resident_workers
@@ -26,7 +31,9 @@ from services.gateway.request import GenerationRequest
 from services.gateway.servicer import GenerateServicer
 from services.gateway.upstream import Upstream
 from tandem.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from tests.integration.compose_network import free_ports
 from tests.placing_scheduler import PlacingScheduler
+from tests.waiting import wait_until
 
 TOKEN = "internal-secret"
 RESIDENT, LOADING = scheduler_pb2.MODEL_STATE_RESIDENT, scheduler_pb2.MODEL_STATE_LOADING
@@ -229,3 +236,41 @@ async def test_http_requests_for_another_model_are_answered_under_its_name_and_l
     assert unknown.status_code == 404
     assert unknown.json()["error"]["message"] == ("model 'gpt-4o' not found; this gateway serves 'smol', 'other', "
                                                   "'smol:fr'")
+
+
+def test_the_gateway_command_serves_each_model_flag_and_the_models_under_tandem_home(
+    default_model_dir, other_model_dir, tmp_path
+) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(other_model_dir, home / "models" / "found")  # served under its directory's name
+    grpc_port, http_port, scheduler_port = free_ports(3)  # no scheduler listens: nothing is resident
+    env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_RUN_DIR": str(tmp_path / "run")}
+    argv = [sys.executable, "-m", "tandem.cli", "gateway", "--insecure-internal", "--port", str(grpc_port),
+            "--http-port", str(http_port), "--scheduler", f"127.0.0.1:{scheduler_port}",
+            "--model", f"smol={default_model_dir}", "--model", str(other_model_dir)]
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as output:
+        gateway = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        def listing() -> list[tuple[str, bool, int]] | None:
+            assert gateway.poll() is None, log.read_text()
+            try:
+                cards = httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=5).json()["data"]
+            except httpx.TransportError:
+                return None
+            return [(card["id"], card["resident"], card["resident_workers"]) for card in cards]
+
+        assert wait_until(listing, "the gateway's model listing") == [
+            ("smol", False, 0), ("other-dir", False, 0), ("found", False, 0)]
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+
+
+def test_a_bad_model_flag_stops_the_gateway_saying_what_to_write(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser(prog="tandem gateway")
+    gateway_main.add_arguments(parser)
+    args = parser.parse_args(["--insecure-internal", "--model", f"x={tmp_path}"])
+    assert gateway_main.main(args) == 2
+    assert capsys.readouterr().err.endswith(
+        f"tandem gateway: --model x={tmp_path}: {tmp_path} is not a model directory (no config.json)\n")
