@@ -101,8 +101,16 @@ class GatewayModels:
         return await self._load(split_model(requested)[0] or self.primary.model.name)
 
     async def entries(self, residency: Mapping[str, int]) -> list[ModelEntry]:
-        """Every served name with its model (each loaded on first listing) and its workers."""
-        return [await self.entry(name, residency) for name in self.served_names()]
+        """Every served name with its model (each loaded on first listing) and its workers. A model
+        that cannot be loaded is left out (logged; its requests say why), so one broken directory
+        never hides the others."""
+        entries = []
+        for name in self.served_names():
+            try:
+                entries.append(await self.entry(name, residency))
+            except FailedPrecondition as exc:
+                log.warning("listing leaves out %s", exc.message)
+        return entries
 
     async def entry(self, served_name: str, residency: Mapping[str, int]) -> ModelEntry:
         """One served name's line; NotFound as `for_request` for a name the gateway does not serve."""

@@ -221,6 +221,7 @@ async def test_a_catalogue_model_that_cannot_load_fails_its_requests_naming_the_
         assert error.value.message.startswith(f"model 'broken' cannot be served from {broken}: ")
         assert "tokenizer.json: missing" in error.value.message
     assert (await models.for_request("")).model.name == "smol"
+    assert [entry.id for entry in await models.entries({})] == ["smol"]  # the listing leaves it out
 
 
 async def test_http_requests_for_another_model_are_answered_under_its_name_and_limits(http, scheduler, codec):
