@@ -2,8 +2,9 @@
 admission of each request into the running batch at the next iteration once its KV is complete.
 
 A request's life here: Reserve (the runtime's KV hand-off allocates its blocks) -> Push (each
-chunk written into them as it arrives) -> admitted at the next iteration boundary -> one token per
-iteration on the request's token stream (the gateway reads it) -> blocks freed when it finishes. Release, Abort and the
+chunk written into them as it arrives, its bytes in the message or, from a sender on this host, in
+the sender's shared-memory segment the header names) -> admitted at the next iteration boundary ->
+one token per iteration on the request's token stream (the gateway reads it) -> blocks freed when it finishes. Release, Abort and the
 reservation's TTL free the blocks at any point. The blocks and their state are the hand-off's
 (services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's
 trace context (the decode span's parent) and the reservation's TTL.
@@ -12,8 +13,11 @@ trace context (the decode span's parent) and the reservation's TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import mmap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -25,7 +29,8 @@ from services.common.tracing import Attr, SpanName, extract_context, kv_transfer
 from services.common.wire import abort_ids
 from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.kv_handoff import PromptKey, Reservation
-from services.runtime.kv_transfer import KvChunk
+from services.runtime.kv_shm import SegmentId, ShmUnavailable, open_segment, reads_back, segment_view
+from services.runtime.kv_transfer import KvChunk, chunk_bytes
 from services.worker.events import TrackedRequest
 from services.worker.runtime import WorkerRuntime
 from services.worker.served_model import ServedModel
@@ -151,10 +156,13 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         rid = first.request_id
         reservation, params = self._receiving(first)
         parent = extract_context(context.invocation_metadata())
+        shm = first.header.shm_segment if first.header.HasField("shm_segment") else None
+        attributes = {Attr.REQUEST_ID: rid, Attr.KV_TRANSPORT: "shm" if shm else "grpc"}
         with tracer.start_as_current_span(SpanName.KV_RECEIVE, context=parent, kind=trace.SpanKind.SERVER,
-                                          attributes={Attr.REQUEST_ID: rid}) as span:
+                                          attributes=attributes) as span:
             try:
-                received = await self._import_all(reservation, first, request_iterator)
+                with self._segment(rid, shm) as segment:
+                    received = await self._import_all(reservation, first, request_iterator, segment)
             except BaseException:  # a partial KV is useless: free the blocks (also when the sender went away)
                 if not reservation.cancelled:
                     asyncio.ensure_future(self._abort([rid]))
@@ -188,34 +196,60 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         reservation.receiving = True
         return reservation, params
 
-    async def _import_all(self, reservation: Reservation, first, rest) -> Received:
+    async def ProbeShm(self, request: kv_transfer_pb2.ShmProbe, context) -> kv_transfer_pb2.ShmProbeResult:
+        if not request.nonce:
+            raise InvalidRequest("nonce", "is empty; a probe segment starts with the nonce it carries")
+        reason = reads_back(_segment_id(request.segment), request.nonce)
+        return kv_transfer_pb2.ShmProbeResult(visible=not reason, reason=reason)
+
+    @contextlib.contextmanager
+    def _segment(self, rid: str, shm: kv_transfer_pb2.ShmSegment | None) -> Iterator[mmap.mmap | None]:
+        """The sender's segment mapped for one Push (None over gRPC); FailedPrecondition when it
+        cannot be opened here."""
+        if shm is None:
+            yield None
+            return
+        try:
+            mapping = open_segment(_segment_id(shm))
+        except ShmUnavailable as exc:
+            raise FailedPrecondition(f"decode worker {self.runtime.worker_id} cannot read the KV of request {rid!r} "
+                                     f"from shared memory: {exc}; ship it over gRPC") from exc
+        with mapping:
+            yield mapping
+
+    async def _import_all(self, reservation: Reservation, first, rest, segment: mmap.mmap | None) -> Received:
         received = Received()
-        self._import(reservation, first, received)
+        self._import(reservation, first, received, segment)
         async for message in rest:
             if reservation.cancelled:
                 break
-            self._import(reservation, message, received)
+            self._import(reservation, message, received, segment)
         expected = first.header.num_chunks
         if not reservation.cancelled and expected and received.chunks != expected:
             raise InvalidRequest("num_chunks", f"the stream carried {received.chunks} chunks, the header "
                                                f"announced {expected}; the transfer was cut short")
         return received
 
-    def _import(self, reservation: Reservation, message: kv_transfer_pb2.KvChunk, received: Received) -> None:
-        """Writes one chunk into the reserved blocks (on the event loop: cancel cannot interleave)."""
+    def _import(self, reservation: Reservation, message: kv_transfer_pb2.KvChunk, received: Received,
+                segment: mmap.mmap | None) -> None:
+        """Writes one chunk into the reserved blocks (on the event loop: cancel cannot interleave),
+        its bytes read from `segment` at the chunk's offset when the sender shares one."""
         if reservation.cancelled:
             return
         if message.request_id != reservation.request_id:
             raise InvalidRequest("request_id", f"chunk of {message.request_id!r} on the stream of "
                                                f"{reservation.request_id!r}; one stream carries one request")
-        chunk = KvChunk(message.layer, message.first_block, message.num_blocks, message.dtype,
-                        tuple(message.shape), message.data)
-        try:
-            self.runtime.holding(reservation.request_id).handoff.import_chunk(reservation, chunk)
-        except ValueError as exc:
-            raise InvalidRequest("chunk", str(exc)) from exc
+        with contextlib.ExitStack() as views:
+            try:
+                data = message.data if segment is None else views.enter_context(
+                    segment_view(segment, message.shm_offset, chunk_bytes(message.dtype, message.shape)))
+                chunk = KvChunk(message.layer, message.first_block, message.num_blocks, message.dtype,
+                                tuple(message.shape), data)
+                self.runtime.holding(reservation.request_id).handoff.import_chunk(reservation, chunk)
+            except ValueError as exc:
+                raise InvalidRequest("chunk", str(exc)) from exc
+            received.bytes += len(data)
         received.chunks += 1
-        received.bytes += len(message.data)
         received.blocks = max(received.blocks, message.first_block + message.num_blocks - reservation.reused_blocks)
 
     async def _admit(self, reservation: Reservation, header: kv_transfer_pb2.KvRequestHeader,
@@ -245,3 +279,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             log.info("request %s not admitted: %s", rid, exc)
             return False
         return True
+
+
+def _segment_id(segment: kv_transfer_pb2.ShmSegment) -> SegmentId:
+    return SegmentId(segment.pid, segment.fd, segment.inode, segment.size)

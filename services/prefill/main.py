@@ -1,10 +1,17 @@
-"""`tandem prefill`: a prefill worker (see services/prefill/servicer.py and services/worker/main_common.py)."""
+"""`tandem prefill`: a prefill worker (see services/prefill/servicer.py and services/worker/main_common.py).
+
+--kv-transport auto (the default) ships KV through shared memory to each decode worker that can read
+this worker's segments (the same host: services/runtime/kv_shm.py), over gRPC to the others; grpc
+always ships over gRPC.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from services.prefill.servicer import PrefillServicer
+from services.common.config import add_option
+from services.prefill.servicer import KV_TRANSPORTS, PrefillServicer
 from services.worker import main_common
 from services.worker.servicer_base import MODEL_SERVICE, TOKEN_STREAM_SERVICE
 from tandem.v1 import common_pb2, worker_pb2_grpc
@@ -22,7 +29,12 @@ SPEC = main_common.RoleSpec(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     main_common.add_arguments(parser, SPEC)
+    add_option(parser, "--kv-transport", default="auto", choices=KV_TRANSPORTS,
+               help="auto: KV through shared memory to decode workers on this host, gRPC to the others; "
+                    "grpc: always gRPC")
 
 
 def main(args: argparse.Namespace) -> int:
-    return main_common.main(args, SPEC)
+    spec = dataclasses.replace(SPEC, make_servicer=lambda config, channels, loaded: PrefillServicer(
+        loaded, config.kv_chunk_bytes, channels, args.kv_transport))
+    return main_common.main(args, spec)

@@ -5,11 +5,17 @@ One request's life here: queued in the engine -> prefilled (chunked, prefix cach
 first token sampled and put on the request's token stream (the gateway reads it) -> KV exported layer by layer in chunks
 of at most --kv-chunk-bytes and pushed -> blocks released (full ones stay cached) -> the
 prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it is.
+
+The chunks' bytes travel in the Push messages, or, to a decode worker that can read this worker's
+shared-memory segments (probed once per address: the same host), in a segment of this worker's
+pool, the messages saying only where (services/runtime/kv_shm.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +35,7 @@ from services.common.grpc_server import remaining_timeout
 from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
 from services.runtime.engine import RequestOutput
+from services.runtime.kv_shm import Segment, SegmentId, SegmentPool, probe_segment
 from services.runtime.kv_transfer import KvChunk
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
 from services.worker.runtime import WorkerRuntime
@@ -37,10 +44,13 @@ from services.worker.servicer_base import WorkerServicerBase, check_request, eng
 from services.worker.transport import ChannelPool
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.prefill")
 
 # Deadline of a KV push when the Prefill call itself carries none.
 PUSH_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 5.0
+KV_TRANSPORTS = ("auto", "grpc")  # --kv-transport: auto probes each decode worker for shared memory
 
 
 @dataclass(slots=True)
@@ -53,10 +63,16 @@ class PrefillJob:
 
 
 class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, loaded: asyncio.Future[WorkerRuntime], kv_chunk_bytes: int, channels: ChannelPool) -> None:
+    def __init__(self, loaded: asyncio.Future[WorkerRuntime], kv_chunk_bytes: int, channels: ChannelPool,
+                 kv_transport: str = "auto") -> None:
         super().__init__(loaded)
+        if kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {kv_transport!r}")
         self.kv_chunk_bytes = kv_chunk_bytes
+        self.kv_transport = kv_transport
         self._channels = channels
+        self._segments = SegmentPool()
+        self._shares_memory: dict[str, bool] = {}  # decode address -> whether it reads our segments
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
         rid = request.request_id
@@ -137,22 +153,40 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer."""
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
+        segment = await self._segment_for(request, served)
+        into = memoryview(segment.buffer) if segment is not None else None
         try:
             export = await served.loop.call(
-                lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks))
+                lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks, into))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
+            if segment is not None:
+                self._segments.release(segment)
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
         header = self._header(request, job, output, export.num_chunks)
         header.model = served.name
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
         started = time.monotonic()
-        attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks}
+        attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks,
+                      Attr.KV_TRANSPORT: "shm" if segment else "grpc"}
         with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
             job.transfer.blocks = export.num_blocks
-            job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer),
+            if segment is not None:
+                header.shm_segment.CopyFrom(_segment_pb(segment.id))
+            job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer, segment is not None),
                                  timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                  metadata=(*inject_metadata(), *self._channels.metadata))
-            ack = await self._await_push(rid, job.push, request.decode_address)
+            ack = None
+            try:
+                ack = await self._await_push(rid, job.push, request.decode_address)
+            except FailedPrecondition:
+                if segment is not None:  # it cannot read our segments after all: gRPC from now on
+                    self._shares_memory[request.decode_address] = False
+                raise
+            finally:
+                if segment is not None:
+                    export.chunks.close()
+                    into.release()
+                    self._segments.release(segment, reuse=ack is not None)
             seconds = time.monotonic() - started
             job.transfer.duration_ms = seconds * 1000
             span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
@@ -162,6 +196,41 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
             raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
                               "transfer (its reservation was aborted or expired)")
+
+    async def _segment_for(self, request: worker_pb2.PrefillRequest, served: ServedModel) -> Segment | None:
+        """A segment of the pool big enough for the KV to ship, when the decode worker reads our
+        shared memory; None: ship over gRPC."""
+        if not await self._reads_our_memory(request.decode_address):
+            return None
+        engine = served.engine
+        shipped = engine.blocks_for_tokens(len(request.token_ids)) - request.decode_reused_blocks
+        return self._segments.acquire(shipped * engine.cache.block_bytes)
+
+    async def _reads_our_memory(self, address: str) -> bool:
+        """Whether the decode worker at `address` can read this worker's segments (ProbeShm, asked
+        once per address; an unreachable worker is asked again next time)."""
+        if self.kv_transport == "grpc":
+            return False
+        known = self._shares_memory.get(address)
+        if known is not None:
+            return known
+        nonce = os.urandom(16)
+        probe = probe_segment(nonce)
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(address))
+        try:
+            result = await stub.ProbeShm(kv_transfer_pb2.ShmProbe(segment=_segment_pb(probe.id), nonce=nonce),
+                                         timeout=PROBE_TIMEOUT_S, metadata=self._channels.metadata)
+            visible, reason = result.visible, result.reason
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return False
+            visible, reason = False, f"{error.code().name}: {error.details()}"  # e.g. an older worker
+        finally:
+            probe.close()
+        self._shares_memory[address] = visible
+        log.info("KV for decode worker %s goes %s", address,
+                 "through shared memory (same host)" if visible else f"over gRPC ({reason})")
+        return visible
 
     async def _await_push(self, rid: str, push: grpc.aio.StreamUnaryCall,
                           address: str) -> kv_transfer_pb2.PushAck | None:
@@ -200,17 +269,23 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
 
     @staticmethod
     async def _messages(rid: str, header: kv_transfer_pb2.KvRequestHeader, chunks: Iterator[KvChunk],
-                        stats: worker_pb2.KvTransferStats) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
-        """The chunks as wire messages, the header on the first; exported off the event loop."""
+                        stats: worker_pb2.KvTransferStats, shared: bool) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+        """The chunks as wire messages, the header on the first; exported off the event loop. With
+        `shared` the chunks lie back to back in the header's segment: the messages carry their offsets."""
         while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             message = kv_transfer_pb2.KvChunk(
                 request_id=rid, layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
-                dtype=chunk.dtype, shape=chunk.shape, data=chunk.data,
+                dtype=chunk.dtype, shape=chunk.shape,
             )
+            if shared:
+                message.shm_offset = stats.bytes
+            else:
+                message.data = chunk.data
             if stats.chunks == 0:
                 message.header.CopyFrom(header)
             stats.chunks += 1
             stats.bytes += len(chunk.data)
+            del chunk  # no view of a shared segment outlives its chunk
             yield message
 
     def _response(self, request, job: PrefillJob, output: RequestOutput | None,
@@ -264,3 +339,7 @@ def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:
         return FailedPrecondition(f"decode worker {address} refused the KV: {details}; do both workers "
                                   "serve the same model with the same block size and dtype?")
     return error_from_rpc(error)
+
+
+def _segment_pb(segment: SegmentId) -> kv_transfer_pb2.ShmSegment:
+    return kv_transfer_pb2.ShmSegment(pid=segment.pid, fd=segment.fd, inode=segment.inode, size=segment.size)

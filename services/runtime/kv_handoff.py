@@ -75,9 +75,11 @@ class KvHandoff:
 
     # -- the prefill side (engine thread) ---------------------------------------------------
 
-    def export(self, request_id: str, max_chunk_bytes: int, skip_blocks: int = 0) -> KvExport:
+    def export(self, request_id: str, max_chunk_bytes: int, skip_blocks: int = 0,
+               into: memoryview | None = None) -> KvExport:
         """The KV of every computed token of a prefilled request but its first `skip_blocks` blocks
-        (the receiver holds those), layer by layer, in chunks of at most `max_chunk_bytes`. ValueError
+        (the receiver holds those), layer by layer, in chunks of at most `max_chunk_bytes`, gathered
+        into `into` when given (kv_transfer.export_kv). ValueError
         when one block of one layer is larger (nothing changes) or `skip_blocks` leaves no block
         (the request is held as an export: `free` returns its blocks)."""
         cache = self.engine.cache
@@ -92,7 +94,7 @@ class KvHandoff:
                              f"the receiver may hold at most {num_blocks - 1} of them")
         block_ids = seq.block_table[:num_blocks]
         return KvExport(request_id, shipped, cache.num_layers * ceil_div(shipped, per_chunk),
-                        export_kv(cache, block_ids, max_chunk_bytes, skip_blocks), skip_blocks)
+                        export_kv(cache, block_ids, max_chunk_bytes, skip_blocks, into), skip_blocks)
 
     def release_export(self, request_id: str) -> None:
         """Frees the shipped request's blocks; its full blocks stay in the prefix cache."""

@@ -532,6 +532,39 @@ def test_reserve_push_and_release_errors(mesh):
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
+def test_kv_crosses_through_shared_memory_on_one_host_and_a_segment_out_of_reach_is_refused(mesh):
+    # Both workers run on this host: the prefill worker probed the decode worker and ships through memory.
+    prompt = [3000 + i for i in range(40)]
+    response = prefill(mesh, "shm-here", prompt, reserve(mesh, "shm-here", prompt), max_tokens=2)
+    assert response.transfer.bytes == blocks_for(len(prompt)) * BLOCK_BYTES
+    assert len(tokens_of(mesh.recorder.stream("shm-here"))) == 2
+    assert (f"KV for decode worker {mesh.decode.address} goes through shared memory (same host)"
+            in mesh.prefill.log.read_text())
+    kv = kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel)
+    away = kv_transfer_pb2.ShmSegment(pid=1, fd=999, inode=1, size=4096)
+    answer = kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away, nonce=b"n" * 16), timeout=5)
+    assert not answer.visible and answer.reason.startswith("cannot open the sender's segment /proc/1/fd/999: ")
+    with pytest.raises(grpc.RpcError) as empty:
+        kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away), timeout=5)
+    assert (empty.value.code(), empty.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "nonce: is empty; a probe segment starts with the nonce it carries")
+
+    reserve(mesh, "shm-away", [1, 2, 3])
+    header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=[1, 2, 3], output_token_ids=[4], sampling=sampling(),
+                                             shm_segment=away)
+    chunk = kv_transfer_pb2.KvChunk(request_id="shm-away", header=header, layer=0, first_block=0, num_blocks=1,
+                                    dtype="float32", shape=[2, 1, 16, 3, 64])
+    with pytest.raises(grpc.RpcError) as refused:
+        kv.Push(iter([chunk]), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().startswith(f"decode worker {mesh.decode.worker_id} cannot read the KV of request "
+                                              "'shm-away' from shared memory: cannot open the sender's segment")
+    assert refused.value.details().endswith("; ship it over gRPC")
+    wait_until(lambda: mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="shm-away"),
+                                                  timeout=5).released_blocks == 0, "the refused push's blocks freed")
+    assert wait_idle(mesh.decode).reserved_blocks == 0
+
+
 def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     prompt = parity_prompts[3]
     reservation = reserve(mesh, "long-run", prompt)

@@ -66,3 +66,24 @@ def test_blocks_are_zeroed_when_first_handed_out_only():
     cache.k[:, 2] = 1.0
     cache.initialize([2, 3])  # 2 was handed out before: its contents stay
     assert (cache.k[:, 2] == 1.0).all() and not cache.k[:, 3].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_into_a_buffer_writes_the_same_chunks_back_to_back(dtype):
+    source = PagedKVCache(CONFIG, num_blocks=10, block_size=4, dtype=dtype)
+    source.k.copy_(torch.randn_like(source.k))
+    source.v.copy_(torch.randn_like(source.v))
+    block_ids = [7, 1, 4, 2]
+    buffer = memoryview(bytearray(3 * source.block_bytes + 5))
+    plain = list(export_kv(source, block_ids, max_chunk_bytes=2 * source.layer_block_bytes, start=1))
+    placed = list(export_kv(source, block_ids, max_chunk_bytes=2 * source.layer_block_bytes, start=1, into=buffer))
+    assert [(c.layer, c.first_block, c.num_blocks, c.dtype, c.shape) for c in placed] == [
+        (c.layer, c.first_block, c.num_blocks, c.dtype, c.shape) for c in plain]
+    assert [c.first_block for c in placed] == [1, 3] * 3
+    assert all(bytes(p.data) == c.data for p, c in zip(placed, plain))
+    assert bytes(buffer[: 3 * source.block_bytes]) == b"".join(c.data for c in plain)
+    target = PagedKVCache(CONFIG, num_blocks=10, block_size=4, dtype=dtype)
+    for chunk in placed:
+        import_kv(target, [0, 5, 6, 8], chunk)
+    for src, dst in zip([1, 4, 2], [5, 6, 8]):
+        assert torch.equal(target.k[:, dst], source.k[:, src]) and torch.equal(target.v[:, dst], source.v[:, src])
