@@ -54,6 +54,7 @@ class Waiting:
     reservation: Reservation
     trace_context: Context  # of the Reserve call (the scheduler's span): the decode span's parent
     expiry: asyncio.TimerHandle
+    lora: str = ""  # the adapter the reservation is for: KV computed under another one is refused
 
 
 @dataclass(slots=True)
@@ -107,7 +108,8 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             raise InvalidRequest("request_id", str(exc)) from exc
         ttl = request.ttl_ms / 1000 if request.ttl_ms > 0 else DEFAULT_RESERVATION_TTL_S
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid, reservation)
-        self._waiting[rid] = Waiting(reservation, extract_context(context.invocation_metadata()), expiry)
+        self._waiting[rid] = Waiting(reservation, extract_context(context.invocation_metadata()), expiry,
+                                     request.lora)
         return worker_pb2.ReserveResponse(block_ids=reservation.block_ids, free_blocks=free,
                                           block_size=engine.blocks.block_size,
                                           reused_blocks=reservation.reused_blocks)
@@ -192,6 +194,11 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if self.runtime.catalogue_name(header.model) != reserved_for:
             raise FailedPrecondition(f"request {rid!r}: the KV was computed by model {header.model!r}, the reservation "
                                      f"is for {reserved_for!r}; KV of one model is no use to another")
+        waiting = self._waiting.get(rid)  # gone when the reservation was cancelled meanwhile
+        adapter = waiting.lora if waiting is not None else header.lora
+        if header.lora != adapter:
+            raise FailedPrecondition(f"request {rid!r}: the KV was computed under adapter {header.lora!r}, the "
+                                     f"reservation is for {adapter!r}; KV of one adapter is no use to another")
         params = sampling_params(header.sampling)
         reservation.receiving = True
         return reservation, params

@@ -3,7 +3,8 @@ tiny random-weights Llama (built here into a temporary $TANDEM_HOME/models), wit
 model's weights. A request for the model not resident loads it (cold start) and gets HF's exact
 greedy tokens; the other model is evicted, its prefix-cache blocks reported evicted, and loaded
 again on its next request; each load is a worker.model_load span and counted in /metrics.
-ModelService pins and unloads; a name outside the catalogue and a model that cannot fit are refused.
+ModelService pins and unloads; a name outside the catalogue and a model that cannot fit are refused,
+and a decode worker refuses KV computed by another model or adapter than its reservation's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 import pytest
 
 from services.common.spans import Attr, SpanName
-from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import Reference, assert_matches, reference_outputs
 from tests.integration.test_workers import (
     Scheduler,
@@ -214,3 +215,36 @@ def test_model_service_pins_and_unloads_and_refusals_name_the_catalogue(shared, 
     shared.wait_resident([])
     assert shared.load().free_model_memory_bytes == DEFAULT_WEIGHT_BYTES
     assert len(shared.run("after-unload", prompts[1])) == MAX_TOKENS  # the primary loads again on demand
+
+
+@pytest.fixture(scope="module")
+def decode(shared, default_model_dir) -> Iterator[Worker]:
+    """A decode worker with the same catalogue (its tiny model not loaded), registered with the same scheduler."""
+    tmp = shared.run_dir.parent
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TANDEM_HOME", str(shared.tiny_dir.parent.parent))
+        worker = spawn_worker("decode", shared.scheduler.address, tmp, "--model", str(default_model_dir))
+    try:
+        wait_serving(worker)
+        yield worker
+    finally:
+        worker.stop()
+
+
+def test_a_kv_push_for_another_model_or_adapter_is_refused(decode, prompts):
+    stub = worker_pb2_grpc.DecodeServiceStub(decode.channel)
+    push = kv_transfer_pb2_grpc.KvTransferServiceStub(decode.channel).Push
+    prompt = prompts[0]
+    for rid, model, lora, expected in (
+        ("kv-model", TINY, "", f"request 'kv-model': the KV was computed by model '{TINY}', the reservation is for "
+                               f"'{DEFAULT}'; KV of one model is no use to another"),
+        ("kv-adapter", DEFAULT, "other", "request 'kv-adapter': the KV was computed under adapter 'other', the "
+                                         "reservation is for ''; KV of one adapter is no use to another"),
+    ):
+        stub.Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1, model=DEFAULT), timeout=10)
+        header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=prompt, output_token_ids=[7], model=model, lora=lora,
+                                                 num_chunks=1, sampling=common_pb2.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as refused:
+            push(iter([kv_transfer_pb2.KvChunk(request_id=rid, header=header)]), timeout=10)
+        assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, expected)
+        assert stub.Release(worker_pb2.ReleaseRequest(request_id=rid), timeout=10).released_blocks > 0
