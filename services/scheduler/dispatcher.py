@@ -83,7 +83,7 @@ class Dispatcher:
                                      end_attempt=self._attempt_lost, on_room=self._let_in)
         self.admission = Admission(max_queue, self.membership.capacity)
         self.counters = Counters()
-        self.streams = TokenStreams(self.on_token_batch, self.membership.lost)
+        self.streams = TokenStreams(self.on_token_batch, self.membership.lost, registry.report_blocks)
         self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl,
                                   on_lost=self._attempt_lost, deliver=self._deliver)
         self._migration = migration
@@ -247,16 +247,18 @@ class Dispatcher:
     async def _wait_turn(self, state: RequestState) -> bool:
         """Wait until the ticket is let in; False when the request left the queue (aborted)."""
         assert state.ticket is not None
+        turn = state.ticket.turn
         with self._child_span(state, SpanName.SCHEDULER_QUEUE):
             self._update_gauges()
-            try:
-                turn = await asyncio.wait_for(asyncio.shield(state.ticket.turn), state.deadline.remaining())
-            except TimeoutError:
-                raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
-                                       f"queue ({self.admission.waiting} waiting)") from None
+            if not turn.done():  # else it was let in at once: nothing to wait for
+                try:
+                    await asyncio.wait_for(asyncio.shield(turn), state.deadline.remaining())
+                except TimeoutError:
+                    raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
+                                           f"queue ({self.admission.waiting} waiting)") from None
         if not state.migrations:
             state.queued_s = time.monotonic() - state.arrival
-        return turn and not state.ending.closed
+        return turn.result() and not state.ending.closed
 
     def _ready(self, state: RequestState) -> bool:
         """The request's KV may fit now (or will never: routing then refuses it at once)."""

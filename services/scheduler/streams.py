@@ -1,6 +1,7 @@
 """The workers' ReportTokens streams: long-lived streams, each named by the worker id of its first
 TokenBatch, carrying each request's first and final event (never the tokens between, which go to
-the gateway). A worker is lost when the last of its open streams ends: its requests can no longer
+the gateway) and the changes to the worker's prefix cache since its last batch (applied before the
+events, in the stream's order, so a block report costs no call of its own). A worker is lost when the last of its open streams ends: its requests can no longer
 be seen to end, and `on_closed(worker_id, reason)` ends their attempts and drops the worker. A worker that
 reconnects before its old stream's end is seen keeps its worker, and so does one whose id a stray
 stream also names: the stray's end means nothing while the real stream is open. (A killed or
@@ -9,16 +10,23 @@ cancelled worker's stream may end cleanly or with an error: both mean the same h
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+from services.common.block_hash import BlockHash
 from tandem.v1 import scheduler_pb2
+
+OnBlocks = Callable[[str, list[BlockHash], list[BlockHash]], Awaitable[None]]
 
 
 class TokenStreams:
+    """`on_blocks(worker_id, stored, evicted)` applies a batch's prefix-cache changes, `on_batch` its
+    events; `on_closed(worker_id, reason)` when a worker's last stream ends."""
+
     def __init__(self, on_batch: Callable[[str, scheduler_pb2.TokenBatch], None],
-                 on_closed: Callable[[str, str], None]) -> None:
+                 on_closed: Callable[[str, str], None], on_blocks: OnBlocks) -> None:
         self._on_batch = on_batch
         self._on_closed = on_closed
+        self._on_blocks = on_blocks
         self._open: Counter[str] = Counter()
 
     def is_open(self, worker_id: str) -> bool:
@@ -34,8 +42,12 @@ class TokenStreams:
                 if worker_id is None and batch.worker_id:
                     worker_id = batch.worker_id
                     self._open[worker_id] += 1
-                if worker_id is not None:
-                    self._on_batch(worker_id, batch)
+                if worker_id is None:
+                    continue
+                if batch.stored_blocks or batch.evicted_blocks:
+                    await self._on_blocks(worker_id, [BlockHash(h) for h in batch.stored_blocks],
+                                          [BlockHash(h) for h in batch.evicted_blocks])
+                self._on_batch(worker_id, batch)
         finally:
             if worker_id is not None:
                 self._open[worker_id] -= 1

@@ -1,5 +1,7 @@
 """Keeps the scheduler's prefix index true for this worker: the stored and evicted block hashes
-drained from the engine after each step, sent with ReportBlocks.
+drained from the engine after each step, attached to the step's TokenBatch on the ReportTokens
+stream (`attach`: in order with the events, no call of their own), or sent with ReportBlocks while a
+full resend is due or under way (the changes then follow it).
 
 It mirrors the whole cache contents of each resident model's engine (stored minus evicted), so
 after registering again, or after a report was lost, it can resend everything with `reset`. Block
@@ -78,6 +80,23 @@ class BlockReporter:
         if self._holders[block_hash] == 0:
             del self._holders[block_hash]
             _record(block_hash, undo=self._stored, record=self._evicted)
+
+    def attach(self, batch: scheduler_pb2.TokenBatch) -> bool:
+        """Move the pending changes onto `batch` for the token stream. False, leaving them pending,
+        when there are none, when this worker reports no blocks, or while a ReportBlocks call is
+        due or under way (`flush_soon` then sends them after it, in order)."""
+        if self._stub is None or self._needs_reset or self._lock.locked() or not (self._stored or self._evicted):
+            return False
+        batch.stored_blocks.extend(self._stored)
+        batch.evicted_blocks.extend(self._evicted)
+        self._stored.clear()
+        self._evicted.clear()
+        return True
+
+    def stream_lost(self) -> None:
+        """Changes attached to a token stream that broke may never have been applied: the next
+        report resends the whole cache."""
+        self._needs_reset = True
 
     @property
     def pending(self) -> bool:

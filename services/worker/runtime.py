@@ -42,7 +42,7 @@ from services.worker.residency import ModelLoadError, ModelMemoryExhausted, Mode
 from services.worker.served_model import ServedModel, free_memory
 from services.worker.stats import policy_attributes, record_policy, residency_to_pb, update_metrics, worker_stats
 from services.worker.token_streams import RequestStreams
-from tandem.v1 import scheduler_pb2, worker_pb2
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.worker")
@@ -105,6 +105,9 @@ class WorkerRuntime:
                                     metadata)
         self.reporters = [TokenReporter(channel, identity.worker_id, metadata, on_lost=self._on_lost)
                           for channel in schedulers]
+        # A Prefill call returns once its blocks are applied (a ReportBlocks call), so the scheduler
+        # routes the next request on them; other roles' block changes ride their token stream.
+        self._blocks_on_stream = identity.role != common_pb2.WORKER_ROLE_PREFILL
         self._schedulers = list(schedulers)
         self._metadata = metadata
         self.registrations: list[Registration] = []  # once the primary model is loaded: see start
@@ -230,7 +233,7 @@ class WorkerRuntime:
         await served.loop.stop()
         self._retired = self._retired.plus(served.loop.snapshot.counters)
         self.blocks.drop(name)
-        self.blocks.flush_soon()
+        self._report(None)
         device = served.engine.config.device
         del served
         free_memory(device)
@@ -300,13 +303,10 @@ class WorkerRuntime:
 
     def _on_step(self, model: str, step: StepResult) -> None:
         self.blocks.note(model, step.stored, step.evicted)
-        self.blocks.flush_soon()
         produced = self.batcher.batch(step)
         for event in produced.events:
             self.streams.push(event)
-        if produced.report is not None:
-            for reporter in self.reporters:
-                reporter.send(produced.report)
+        self._report(produced.report)
         served = self.models.resident(model)
         if self.metrics is not None and served is not None:
             update_metrics(self.metrics, self._snapshot(), step.snapshot.counters.since(served.reported),
@@ -320,6 +320,22 @@ class WorkerRuntime:
                                   sum(w.num_context_tokens for w in step.work.values()),
                                   (step.ended_ns - step.started_ns) / 1e6)
 
+    def _report(self, report: scheduler_pb2.TokenBatch | None) -> None:
+        """A step's batch (None: the step started and ended nothing) to every scheduler, with the
+        pending prefix-cache changes on the first one's (alone when there is no batch), which takes
+        the block reports; by ReportBlocks while a full resend is due."""
+        primary = report if report is not None and len(self.reporters) == 1 else scheduler_pb2.TokenBatch()
+        if self.reporters and self._blocks_on_stream and self.blocks.attach(primary):
+            if primary is not report and report is not None:
+                primary.MergeFrom(report)
+        else:
+            self.blocks.flush_soon()
+            primary = report
+        for reporter in self.reporters:
+            batch = primary if reporter is self.reporters[0] else report
+            if batch is not None:
+                reporter.send(batch)
+
     def _on_failure(self, exc: BaseException) -> None:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
         self.failed.set()
@@ -330,6 +346,7 @@ class WorkerRuntime:
         asyncio.ensure_future(self.abort([request_id]))
 
     def _on_lost(self) -> None:
+        self.blocks.stream_lost()
         asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream"))
 
     async def _abort_unread(self, reason: str) -> None:

@@ -348,16 +348,20 @@ class ReportBlocksResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("worker_id", "iteration", "events", "batch_size")
+    __slots__ = ("worker_id", "iteration", "events", "batch_size", "stored_blocks", "evicted_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
     batch_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    stored_blocks: _containers.RepeatedScalarFieldContainer[str]
+    evicted_blocks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., batch_size: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[str]] = ..., evicted_blocks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("batches",)

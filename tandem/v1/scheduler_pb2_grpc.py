@@ -145,7 +145,9 @@ class SchedulerServiceServicer:
 
     def ReportBlocks(self, request, context):
         """Worker -> scheduler: prefix-cache blocks stored and evicted since the last
-        report, so the prefix index used for routing stays true.
+        report, so the prefix index used for routing stays true: the whole cache
+        (reset) after registering or a lost report; the changes in between ride
+        ReportTokens (TokenBatch.stored_blocks, evicted_blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

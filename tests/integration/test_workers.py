@@ -90,8 +90,15 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         count = 0
         for batch in request_iterator:
             count += 1
-            self._record(lambda: self.batches.append(batch))
+            self._record(lambda: self._take(batch))
         return scheduler_pb2.ReportAck(batches=count)
+
+    def _take(self, batch: scheduler_pb2.TokenBatch) -> None:
+        """A batch's prefix-cache changes count as a block report, in the order they arrived."""
+        self.batches.append(batch)
+        if batch.stored_blocks or batch.evicted_blocks:
+            self.block_reports.append(scheduler_pb2.ReportBlocksRequest(
+                worker_id=batch.worker_id, stored=batch.stored_blocks, evicted=batch.evicted_blocks))
 
     def read(self, worker: Worker, request_id: str) -> None:
         """Read the request's token stream from `worker` in the background, as the gateway does."""

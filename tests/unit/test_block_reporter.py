@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.common.block_hash import BlockHash
 from services.worker.block_reporter import BlockReporter
+from tandem.v1 import scheduler_pb2
 
 A, B, C = (BlockHash(f"{i:032x}") for i in (1, 2, 3))
 
@@ -38,3 +39,18 @@ def test_a_hash_evicted_then_stored_before_a_report_cancels_out():
     reporter.note("m2", [A], [])  # stored again by the same model: still one holder
     reporter.drop("m2")
     assert _report(reporter) == ([], [A])
+
+
+def test_pending_changes_ride_a_token_batch_unless_a_full_resend_is_due():
+    reporter = BlockReporter(None, "w")
+    reporter._stub = object()  # reports blocks (attach needs a scheduler; no call is made here)
+    reporter.note("m1", [A, B], [])
+    batch = scheduler_pb2.TokenBatch()
+    assert reporter.attach(batch)
+    assert (list(batch.stored_blocks), list(batch.evicted_blocks)) == ([A, B], []) and not reporter.pending
+    assert not reporter.attach(scheduler_pb2.TokenBatch())  # nothing pending
+    reporter.note("m1", [C], [A])
+    reporter.stream_lost()  # what rode a broken stream may be lost: the whole cache goes by ReportBlocks
+    later = scheduler_pb2.TokenBatch()
+    assert not reporter.attach(later) and not later.stored_blocks and reporter.pending
+    assert _report(reporter) == ([B, C], [])  # the reset: the whole cache

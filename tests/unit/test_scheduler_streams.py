@@ -1,6 +1,6 @@
 """The scheduler's ReportTokens streams: a worker is lost when the last of its open streams ends,
 so a stray stream naming a live worker's id can neither take its worker's requests down nor hide
-the real stream's batches."""
+the real stream's batches; a batch's prefix-cache changes are applied before its events, in order."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ class Stream:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
 
-    def send(self, worker_id: str, request_id: str = "") -> None:
+    def send(self, worker_id: str, request_id: str = "", stored: tuple[str, ...] = (),
+             evicted: tuple[str, ...] = ()) -> None:
         events = [scheduler_pb2.TokenEvent(request_id=request_id)] if request_id else []
-        self._queue.put_nowait(scheduler_pb2.TokenBatch(worker_id=worker_id, events=events))
+        self._queue.put_nowait(scheduler_pb2.TokenBatch(worker_id=worker_id, events=events, stored_blocks=stored,
+                                                        evicted_blocks=evicted))
 
     def end(self) -> None:
         self._queue.put_nowait(None)
@@ -34,10 +36,17 @@ class Recorder:
     def __init__(self) -> None:
         self.batches: list[tuple[str, str]] = []
         self.closed: list[tuple[str, str]] = []
-        self.streams = TokenStreams(self.on_batch, lambda worker_id, reason: self.closed.append((worker_id, reason)))
+        self.seen: list[tuple[str, ...]] = []  # ("blocks", worker, stored, evicted) and ("event", worker, id), in order
+        self.streams = TokenStreams(self.on_batch, lambda worker_id, reason: self.closed.append((worker_id, reason)),
+                                    self.on_blocks)
 
     def on_batch(self, worker_id: str, batch: scheduler_pb2.TokenBatch) -> None:
         self.batches += [(worker_id, e.request_id) for e in batch.events]
+        self.seen += [("event", worker_id, e.request_id) for e in batch.events]
+
+    async def on_blocks(self, worker_id: str, stored: list[str], evicted: list[str]) -> None:
+        await asyncio.sleep(0)  # a store call: the stream waits for it before the batch's events
+        self.seen.append(("blocks", worker_id, ",".join(stored), ",".join(evicted)))
 
 
 async def test_a_stray_stream_naming_a_live_worker_ends_without_its_loss_and_the_real_one_still_counts() -> None:
@@ -83,3 +92,16 @@ async def test_a_stream_that_never_names_a_worker_loses_nothing() -> None:
     anonymous.end()
     assert await seen.streams.consume(anonymous.batches()) == 1
     assert seen.closed == [] and seen.batches == []
+
+
+async def test_a_batchs_block_changes_are_applied_before_its_events_and_a_batch_may_carry_only_blocks() -> None:
+    seen = Recorder()
+    stream = Stream()
+    stream.send("d-0")
+    stream.send("d-0", "r1", stored=("a" * 32, "b" * 32))
+    stream.send("d-0", stored=("c" * 32,), evicted=("a" * 32,))
+    stream.send("d-0", "r2")
+    stream.end()
+    assert await seen.streams.consume(stream.batches()) == 4
+    assert seen.seen == [("blocks", "d-0", f"{'a' * 32},{'b' * 32}", ""), ("event", "d-0", "r1"),
+                         ("blocks", "d-0", "c" * 32, "a" * 32), ("event", "d-0", "r2")]

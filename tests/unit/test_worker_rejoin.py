@@ -92,7 +92,8 @@ async def test_a_worker_rejoins_a_restarted_scheduler_and_reopens_its_token_stre
         second = await Scheduler.start(port, "second")
         batches: list[scheduler_pb2.TokenBatch] = []
         second.dispatcher.streams = TokenStreams(lambda _, batch: batches.append(batch),
-                                                 second.dispatcher.membership.lost)
+                                                 second.dispatcher.membership.lost,
+                                                 second.dispatcher.registry.report_blocks)
         await eventually(lambda: taken_back, "the worker registering again with the second scheduler")
         await eventually(lambda: second.dispatcher.streams.is_open("decode-w"), "the token stream at the second")
         assert taken_back == ["second"] and lost == [1]  # one break; the failed attempts after it fail nothing
