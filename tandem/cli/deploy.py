@@ -447,7 +447,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compose.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="prefill workers (default 1)")
     compose.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="decode workers (default 1)")
     compose.add_argument("--schedulers", type=_positive_int, default=1, metavar="N",
-                         help="scheduler replicas sharing the Redis; every gateway and worker lists them all (default 1)")
+                         help="scheduler replicas sharing the Redis; every gateway and worker lists them all "
+                              "(default 1)")
     compose.add_argument(
         "--cpu",
         action="store_true",
