@@ -103,6 +103,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def parse_count(text: str) -> int:
+    """'3' -> 3: a whole number of things (replicas, workers), at least 1."""
+    value = int(text)
+    if value < 1:
+        raise _type_error(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_bool(text: str) -> bool:
     """'1'/'true'/'yes'/'on' -> True, '0'/'false'/'no'/'off'/'' -> False."""
     value = str(text).strip().lower()

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from services.common.config import parse_count
 from tandem.cli import kubernetes
 from tandem.cli.topology import (
     DECODE,
@@ -429,13 +430,6 @@ def render_cpu_override(topology: Topology) -> str:
 # --- The command -------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets = parser.add_subparsers(dest="deploy_target", metavar="TARGET", required=True)
     compose = targets.add_parser(
@@ -444,9 +438,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Write a docker compose file for N prefill and M decode workers, one GPU each "
         "(prefill workers take GPUs 0..N-1, decode workers the next M).",
     )
-    compose.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="prefill workers (default 1)")
-    compose.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="decode workers (default 1)")
-    compose.add_argument("--schedulers", type=_positive_int, default=1, metavar="N",
+    compose.add_argument("--prefill", type=parse_count, default=1, metavar="N", help="prefill workers (default 1)")
+    compose.add_argument("--decode", type=parse_count, default=1, metavar="M", help="decode workers (default 1)")
+    compose.add_argument("--schedulers", type=parse_count, default=1, metavar="N",
                          help="scheduler replicas sharing the Redis; every gateway and worker lists them all "
                               "(default 1)")
     compose.add_argument(
@@ -470,8 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_kubernetes_arguments(parser: argparse.ArgumentParser) -> None:
     for role in ("gateway", "prefill", "decode"):
-        parser.add_argument(f"--{role}", type=_positive_int, metavar="N", help=f"{role} replicas (default 1)")
-    parser.add_argument("--schedulers", type=_positive_int, metavar="N",
+        parser.add_argument(f"--{role}", type=parse_count, metavar="N", help=f"{role} replicas (default 1)")
+    parser.add_argument("--schedulers", type=parse_count, metavar="N",
                         help="scheduler replicas (default 1): a StatefulSet sharing the Redis, each replica named "
                         "tandem-scheduler-I.tandem-scheduler, every gateway and worker given them all")
     parser.add_argument("--profile", choices=[p.value for p in kubernetes.Profile],

@@ -21,7 +21,7 @@ import grpc
 
 from services.common import internal_auth
 from services.common.channels import internal_channel
-from services.common.config import add_option, parse_addresses
+from services.common.config import add_option, parse_addresses, parse_count
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.tls import MutualTLS
 from tandem.cli.chat import DEFAULT_URL, ChatError, Gateway
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    description="Ask a scheduler to load model NAME on --replicas workers of each "
                                    "role a request needs and keep it there (pinned: never evicted).")
     provision.add_argument("name", metavar="NAME", help="a catalogue model's name (as `tandem models list` shows)")
-    provision.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+    provision.add_argument("--replicas", type=parse_count, default=1, metavar="N",
                            help="workers that should hold it, of each role, counting those that already do (default 1)")
     add_option(provision, "--scheduler", type=parse_addresses, default=(DEFAULT_SCHEDULER,),
                help="the schedulers' HOST:PORT, comma-separated: the first that can be reached is asked")
@@ -145,10 +145,3 @@ def _refused(args: argparse.Namespace, exc: grpc.aio.AioRpcError) -> int:
     print(f"tandem models provision: {code.name}: {exc.details()}" + (f" ({advice})" if advice else ""),
           file=sys.stderr)
     return EXIT_REFUSED
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

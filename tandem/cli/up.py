@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
+from services.common.config import parse_count
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
 from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
@@ -89,10 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="separate prefill and decode workers, colocated ones, or hybrid: prefill workers and "
                              "decode workers that prefill a request themselves when the scheduler finds it short "
                              "enough (default disaggregated)")
-    parser.add_argument("--prefill", type=_count, default=1, help="prefill workers (disaggregated, hybrid; default 1)")
-    parser.add_argument("--decode", type=_count, default=1, help="decode workers (disaggregated, hybrid; default 1)")
-    parser.add_argument("--workers", type=_count, default=1, help="colocated workers (colocated; default 1)")
-    parser.add_argument("--schedulers", type=_count, default=1,
+    parser.add_argument("--prefill", type=parse_count, default=1,
+                        help="prefill workers (disaggregated, hybrid; default 1)")
+    parser.add_argument("--decode", type=parse_count, default=1,
+                        help="decode workers (disaggregated, hybrid; default 1)")
+    parser.add_argument("--workers", type=parse_count, default=1, help="colocated workers (colocated; default 1)")
+    parser.add_argument("--schedulers", type=parse_count, default=1,
                         help="scheduler replicas (default 1); several need Redis (--redis-url or redis-server "
                              "installed): they share the registry, the prefix index and the load view through it")
     parser.add_argument("--model", type=Path, default=os.environ.get("TANDEM_MODEL") or None,
@@ -107,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("TANDEM_INTERNAL_TOKEN_FILE") or None, metavar="FILE",
                         help="file holding the internal token every service shares (env TANDEM_INTERNAL_TOKEN_FILE, "
                              "or the token itself in TANDEM_INTERNAL_TOKEN); default: a random token for this run")
-    parser.add_argument("--threads-per-worker", type=_count, default=None,
+    parser.add_argument("--threads-per-worker", type=parse_count, default=None,
                         help="CPU threads of each worker (default: the cores shared evenly)")
     parser.add_argument("--dtype", default=os.environ.get("TANDEM_DTYPE") or "auto",
                         choices=("auto", "float32", "bfloat16", "float16"),
@@ -138,13 +141,6 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
