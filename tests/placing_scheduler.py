@@ -7,10 +7,13 @@ status; one after it ends the Submit call with that status, as the real schedule
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
+import grpc
+
 from services.common.errors import TandemError
-from services.common.grpc_server import GrpcServer
+from services.common.grpc_server import GrpcServer, create_server
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 
 _Run = tuple[scheduler_pb2.TokenEvent, AsyncIterator[scheduler_pb2.TokenEvent], asyncio.Future]
@@ -55,6 +58,20 @@ class PlacingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer, worker_pb2_g
             ended.done() or ended.set_result(None)
         except TandemError as error:
             ended.done() or ended.set_result(error)
+
+    @contextlib.asynccontextmanager
+    async def served(self) -> AsyncIterator[grpc.aio.Channel]:
+        """This scheduler on a loopback server of its own, and a channel to it; both closed on exit."""
+        server = create_server("127.0.0.1", 0)
+        self.serve_on(server)
+        await server.start()
+        self.placed_at(server.port)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        try:
+            yield channel
+        finally:
+            await channel.close()
+            await server.stop(0)
 
     def _runs(self) -> dict[str, _Run]:
         if not hasattr(self, "_placed"):

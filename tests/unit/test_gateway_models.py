@@ -21,7 +21,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound
-from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
+from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.tokenizer import TextCodec
 from services.gateway import main as gateway_main
 from services.gateway.generation import GenerationPipeline
@@ -96,14 +96,8 @@ def other_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture
 async def scheduler(codec: TextCodec) -> AsyncIterator[tuple[StatsScheduler, grpc.aio.Channel]]:
     fake = StatsScheduler(codec)
-    server = create_server("127.0.0.1", 0)
-    fake.serve_on(server)
-    await server.start()
-    fake.placed_at(server.port)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    yield fake, channel
-    await channel.close()
-    await server.stop(0)
+    async with fake.served() as channel:
+        yield fake, channel
 
 
 @pytest.fixture

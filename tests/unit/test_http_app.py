@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common.errors import DeadlineExceeded, Overloaded, TandemError, Unavailable
-from services.common.grpc_server import create_server
 from services.common.tokenizer import TextCodec
 from services.gateway import client_errors
 from services.gateway.generation import GenerationPipeline
@@ -112,14 +111,8 @@ def _logprobs(token: int, sampling: common_pb2.SamplingParams) -> list[common_pb
 @pytest.fixture
 async def scheduler(codec: TextCodec) -> AsyncIterator[tuple[FakeScheduler, grpc.aio.Channel]]:
     fake = FakeScheduler(codec)
-    server = create_server("127.0.0.1", 0)
-    fake.serve_on(server)
-    await server.start()
-    fake.placed_at(server.port)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    yield fake, channel
-    await channel.close()
-    await server.stop(0)
+    async with fake.served() as channel:
+        yield fake, channel
 
 
 @pytest.fixture
