@@ -62,16 +62,22 @@ class _Held(Generic[T]):
     name: str
     weight_bytes: int
     pinned: bool
-    ready: asyncio.Future[T]
+    ready: asyncio.Future[None]  # done when the load ended; its exception when the load failed
     last_used: float
+    model: T | None = None  # the one reference the worker keeps: gone with `take`, so eviction frees it
     leases: int = 0
     leaving: bool = False  # unloaded while busy: evicted once idle
     evicted: tuple[str, ...] = field(default=())
 
     @property
     def state(self) -> ModelState:
-        loaded = self.ready.done() and not self.ready.cancelled() and self.ready.exception() is None
-        return ModelState.RESIDENT if loaded else ModelState.LOADING
+        return ModelState.RESIDENT if self.model is not None else ModelState.LOADING
+
+    def take(self) -> T:
+        """The model, handed to whoever frees it; this record keeps no reference."""
+        model, self.model = self.model, None
+        assert model is not None, f"model {self.name} taken twice"
+        return model
 
 
 class ResidentModels(Generic[T]):
@@ -102,7 +108,8 @@ class ResidentModels(Generic[T]):
         held.leases += 1  # from now: a request waiting for the load counts as active
         try:
             await asyncio.shield(held.ready)
-            yield held.ready.result()
+            assert held.model is not None  # leased: not evictable
+            yield held.model
         finally:
             held.leases -= 1
             held.last_used = self._clock()
@@ -120,20 +127,27 @@ class ResidentModels(Generic[T]):
     def resident(self, name: str) -> T | None:
         """The model when it is resident now (no load, no wait)."""
         held = self._held.get(name)
-        return held.ready.result() if held is not None and held.state is ModelState.RESIDENT else None
+        return held.model if held is not None else None
 
     def models(self) -> dict[str, T]:
         """Every resident model, by name."""
-        return {name: held.ready.result() for name, held in self._held.items() if held.state is ModelState.RESIDENT}
+        return {name: held.model for name, held in self._held.items() if held.model is not None}
 
     # -- the scheduler's word ---------------------------------------------------------------
 
     async def load(self, name: str, pin: bool = False) -> Loaded[T]:
         """Loads the model (or waits for its load) and pins it if asked; returns it and what was evicted."""
-        held = await self._resident(name)
+        held = self._held.get(name) or self._start_load(name)
         held.pinned = held.pinned or pin
         held.leaving = held.leaving and not pin
-        return Loaded(held.ready.result(), held.evicted)
+        held.leases += 1  # not evictable before this call returns it
+        try:
+            await asyncio.shield(held.ready)
+        finally:
+            held.leases -= 1
+            held.last_used = self._clock()
+        assert held.model is not None
+        return Loaded(held.model, held.evicted)
 
     async def unload(self, name: str) -> bool:
         """Unpins the model and evicts it when idle (True); a busy one leaves once idle (False)."""
@@ -165,11 +179,6 @@ class ResidentModels(Generic[T]):
         return max(self.budget - sum(h.weight_bytes for h in self._held.values()), 0)
 
     # -- loading and evicting ---------------------------------------------------------------
-
-    async def _resident(self, name: str) -> _Held[T]:
-        held = self._held.get(name) or self._start_load(name)
-        await asyncio.shield(held.ready)
-        return held
 
     def _start_load(self, name: str) -> _Held[T]:
         """Makes room (synchronously, so no other load takes it meanwhile), then loads in a task."""
@@ -208,7 +217,7 @@ class ResidentModels(Generic[T]):
     async def _run_load(self, held: _Held[T], victims: list[_Held[T]]) -> None:
         try:
             for victim in victims:
-                await self._unload(victim.name, victim.ready.result())
+                await self._unload(victim.name, victim.take())
             model = await self._load(held.name, held.evicted)
         except Exception as exc:  # noqa: BLE001 - every waiter gets it; the model is not held
             if self._held.get(held.name) is held:
@@ -219,12 +228,13 @@ class ResidentModels(Generic[T]):
             held.ready.exception()  # retrieved: a load nobody awaits any more must not warn
             return
         held.last_used = self._clock()
-        held.ready.set_result(model)
+        held.model = model
+        held.ready.set_result(None)
 
     def _evict(self, held: _Held[T]) -> asyncio.Future[None]:
         """Forgets the model now (a new request loads it afresh) and frees it in the background."""
         del self._held[held.name]
-        return asyncio.ensure_future(self._unload(held.name, held.ready.result()))
+        return asyncio.ensure_future(self._unload(held.name, held.take()))
 
     def _evictable(self, held: _Held[T]) -> bool:
         return held.state is ModelState.RESIDENT and not held.pinned and not self._busy(held)
@@ -233,4 +243,4 @@ class ResidentModels(Generic[T]):
         return self._active_requests(held) > 0
 
     def _active_requests(self, held: _Held[T]) -> int:
-        return held.leases + (self._active(held.ready.result()) if held.state is ModelState.RESIDENT else 0)
+        return held.leases + (self._active(held.model) if held.model is not None else 0)

@@ -150,3 +150,31 @@ async def test_unload_evicts_an_idle_model_and_a_busy_one_once_it_is_idle():
     await asyncio.sleep(0)
     assert fake.unloads == ["a", "b"] and models.models() == {}
     assert await models.unload("never") is False
+
+
+async def test_an_evicted_model_is_freed_before_the_next_one_loads():
+    import gc
+    import weakref
+
+    class Model:
+        pass
+
+    built: list[weakref.ref] = []
+    alive_during_load: list[bool] = []
+
+    async def load(name: str, evicted: tuple[str, ...]) -> Model:
+        gc.collect()
+        alive_during_load.append(any(ref() is not None for ref in built))  # the victim is freed first
+        model = Model()
+        built.append(weakref.ref(model))
+        return model
+
+    async def unload(name: str, model: Model) -> None:
+        pass
+
+    models: ResidentModels[Model] = ResidentModels({"a": 10, "b": 10}, 10, load, unload, lambda model: 0)
+    await models.load("a")
+    await models.load("b")  # evicts a
+    gc.collect()
+    assert alive_during_load == [False, False]
+    assert built[0]() is None and built[1]() is not None
