@@ -1,25 +1,28 @@
 """KV hand-off throughput on one host: a prompt's KV pushed from a prefill-side cache to a
-decode-side cache in another process, over KvTransferService.Push on loopback, the way the
-workers ship it (services/runtime/kv_transfer.py's chunks as kv_transfer_pb2.KvChunk messages,
-exported in a copy thread, imported on the receiver's event loop).
+decode-side cache in another process over KvTransferService.Push on loopback, the way the workers
+ship it (services/runtime/kv_transfer.py's chunks, exported in a copy thread, imported on the
+receiver's event loop), by each of the workers' transports:
+
+- grpc: the bytes in the KvChunk messages;
+- shm: the same-host path, the bytes gathered into a pooled memfd segment of the sender's
+  (services/runtime/kv_shm.py), the messages carrying offsets, the receiver mapping the segment;
+- reuse: grpc for a second turn whose first --reused fraction of blocks the receiver already holds
+  (decode-side prefix reuse): only the blocks after them cross.
 
 Reports, per prompt length (default 100 and 1,000 tokens of the default model): ms per hand-off
-(median of --repeats) and GB/s (10^9 bytes of KV per second), plus the export and import copies
-alone; and the same KV through a pooled shared-memory segment (one pre-faulted /dev/shm mapping the
-sender gathers into and the receiver copies from: the copies a same-host path would cost, with no
-gRPC). Bounded: --repeats hand-offs per length. Print `cat /proc/loadavg` beside the figures; run
-under `flock /tmp/tandem-bench.lock`.
-Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--json]`.
+(median of --repeats) and GB/s (10^9 bytes of the prompt's KV per second), plus the export and
+import copies alone. Bounded: --repeats hand-offs per length and transport. Print `cat
+/proc/loadavg` beside the figures; run under `flock /tmp/tandem-bench.lock`.
+Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--reused 0.9] [--json]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import mmap
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -30,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from services.common.model_config import ModelConfig  # noqa: E402
 from services.common.model_store import default_model_dir  # noqa: E402
 from services.runtime.kv_cache import PagedKVCache  # noqa: E402
-from services.runtime.kv_transfer import KvChunk, export_kv, import_kv  # noqa: E402
+from services.runtime.kv_shm import Segment, SegmentId, SegmentPool, open_segment, segment_view  # noqa: E402
+from services.runtime.kv_transfer import KvChunk, chunk_bytes, export_kv, import_kv  # noqa: E402
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -55,6 +58,8 @@ class Figure:
     import_ms_p50: float
     shm_ms_p50: float
     shm_gb_per_s: float
+    reused_blocks: int
+    reuse_ms_p50: float
 
 
 def _cache(config: ModelConfig) -> PagedKVCache:
@@ -71,15 +76,28 @@ class _Receiver(kv_transfer_pb2_grpc.KvTransferServiceServicer):
     async def Push(self, request_iterator, context) -> kv_transfer_pb2.PushAck:
         chunks = 0
         num_bytes = 0
-        block_ids: list[int] = []
-        async for message in request_iterator:
-            if message.HasField("header"):
-                block_ids = list(range(len(message.header.prompt_token_ids) // BLOCK_SIZE + 1))
-            import_kv(self.cache, block_ids, KvChunk(message.layer, message.first_block, message.num_blocks,
-                                                     message.dtype, tuple(message.shape), message.data))
-            chunks += 1
-            num_bytes += len(message.data)
+        first = await anext(aiter(request_iterator))
+        header = first.header
+        block_ids = list(range(len(header.prompt_token_ids) // BLOCK_SIZE + 1))
+        with contextlib.ExitStack() as stack:
+            segment = stack.enter_context(open_segment(SegmentId(
+                header.shm_segment.pid, header.shm_segment.fd, header.shm_segment.inode,
+                header.shm_segment.size))) if header.HasField("shm_segment") else None
+            async for message in _chain(first, request_iterator):
+                with contextlib.ExitStack() as views:
+                    data = message.data if segment is None else views.enter_context(segment_view(
+                        segment, message.shm_offset, chunk_bytes(message.dtype, message.shape)))
+                    import_kv(self.cache, block_ids, KvChunk(message.layer, message.first_block, message.num_blocks,
+                                                             message.dtype, tuple(message.shape), data))
+                    num_bytes += len(data)
+                chunks += 1
         return kv_transfer_pb2.PushAck(chunks=chunks, bytes=num_bytes)
+
+
+async def _chain(first, rest):
+    yield first
+    async for message in rest:
+        yield message
 
 
 def _serve(model_dir: str, port: multiprocessing.Value) -> None:  # type: ignore[valid-type]
@@ -95,17 +113,29 @@ def _serve(model_dir: str, port: multiprocessing.Value) -> None:  # type: ignore
     asyncio.run(main())
 
 
-async def _messages(block_ids: list[int], cache: PagedKVCache, tokens: int):
-    chunks = export_kv(cache, block_ids, CHUNK_BYTES)
-    first = True
-    while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-        message = kv_transfer_pb2.KvChunk(request_id="bench", layer=chunk.layer, first_block=chunk.first_block,
-                                          num_blocks=chunk.num_blocks, dtype=chunk.dtype, shape=chunk.shape,
-                                          data=chunk.data)
-        if first:
-            message.header.prompt_token_ids.extend([0] * tokens)
-            first = False
-        yield message
+async def _messages(block_ids: list[int], cache: PagedKVCache, tokens: int, start: int = 0,
+                    segment: Segment | None = None):
+    """The workers' messages (services/prefill/servicer.py): the bytes inline, or offsets into `segment`."""
+    with contextlib.ExitStack() as stack:
+        into = stack.enter_context(memoryview(segment.buffer)) if segment is not None else None
+        chunks = export_kv(cache, block_ids, CHUNK_BYTES, start, into)
+        offset = 0
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            message = kv_transfer_pb2.KvChunk(request_id="bench", layer=chunk.layer, first_block=chunk.first_block,
+                                              num_blocks=chunk.num_blocks, dtype=chunk.dtype, shape=chunk.shape)
+            if segment is None:
+                message.data = chunk.data
+            else:
+                message.shm_offset = offset
+            offset += len(chunk.data)
+            if offset == len(chunk.data):
+                message.header.prompt_token_ids.extend([0] * tokens)
+                if segment is not None:
+                    ident = segment.id
+                    message.header.shm_segment.CopyFrom(kv_transfer_pb2.ShmSegment(
+                        pid=ident.pid, fd=ident.fd, inode=ident.inode, size=ident.size))
+            del chunk
+            yield message
 
 
 def _copy_times(cache: PagedKVCache, block_ids: list[int], repeats: int) -> tuple[float, float]:
@@ -121,61 +151,47 @@ def _copy_times(cache: PagedKVCache, block_ids: list[int], repeats: int) -> tupl
     return statistics.median(exports) * 1000, statistics.median(imports) * 1000
 
 
-def _shm_time(cache: PagedKVCache, block_ids: list[int], repeats: int) -> float:
-    """Median seconds to gather every layer's blocks into a pre-faulted shared mapping and copy
-    them back out of a second mapping of it; the file is unlinked before use, so nothing is left."""
-    shape = (cache.num_layers, 2, len(block_ids), *cache.block_shape)
-    size = len(block_ids) * cache.block_bytes
-    fd = os.open(f"/dev/shm/tandem-kv-bench-{os.getpid()}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.unlink(f"/dev/shm/tandem-kv-bench-{os.getpid()}")
-        os.ftruncate(fd, size)
-        writer, reader = mmap.mmap(fd, size), mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    sent = np.frombuffer(writer, dtype=np.float32).reshape(shape)
-    received = np.frombuffer(reader, dtype=np.float32).reshape(shape)
-    k, v = cache.k.numpy(), cache.v.numpy()
+async def _handoffs(stub, cache: PagedKVCache, tokens: int, repeats: int, start: int = 0,
+                    pool: SegmentPool | None = None) -> float:
+    """Median seconds of a hand-off (after one warm-up), as a prefill worker runs it: a segment
+    from the pool when one is given, back to it after the ack."""
+    block_ids = list(range(tokens // BLOCK_SIZE + 1))
+    shipped = (len(block_ids) - start) * cache.block_bytes
     times = []
-    for _ in range(repeats + 1):  # the first pass faults the pages in
-        start = time.perf_counter()
-        for layer in range(cache.num_layers):
-            np.take(k[layer], block_ids, axis=0, out=sent[layer, 0])
-            np.take(v[layer], block_ids, axis=0, out=sent[layer, 1])
-        for layer in range(cache.num_layers):
-            k[layer][block_ids] = received[layer, 0]
-            v[layer][block_ids] = received[layer, 1]
-        times.append(time.perf_counter() - start)
-    del sent, received
-    writer.close()
-    reader.close()
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        segment = pool.acquire(shipped) if pool is not None else None
+        ack = await asyncio.wait_for(stub.Push(_messages(block_ids, cache, tokens, start, segment)), 30)
+        if segment is not None:
+            pool.release(segment)
+        times.append(time.perf_counter() - began)
+        if ack.bytes != shipped:
+            raise RuntimeError(f"the receiver got {ack.bytes} bytes of {shipped}")
     return statistics.median(times[1:])
 
 
-async def _measure(address: str, cache: PagedKVCache, tokens: int, repeats: int) -> Figure:
+async def _measure(address: str, cache: PagedKVCache, tokens: int, repeats: int, reused: float) -> Figure:
     block_ids = list(range(tokens // BLOCK_SIZE + 1))
     kv_bytes = len(block_ids) * cache.block_bytes
+    reused_blocks = min(int(len(block_ids) * reused), len(block_ids) - 1)
+    pool = SegmentPool()
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE)]) as channel:
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
-        await asyncio.wait_for(stub.Push(_messages(block_ids, cache, tokens)), 30)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            ack = await asyncio.wait_for(stub.Push(_messages(block_ids, cache, tokens)), 30)
-            times.append(time.perf_counter() - start)
-            if ack.bytes != kv_bytes:
-                raise RuntimeError(f"the receiver got {ack.bytes} bytes of {kv_bytes}")
+        grpc_s = await _handoffs(stub, cache, tokens, repeats)
+        shm_s = await _handoffs(stub, cache, tokens, repeats, pool=pool)
+        reuse_s = await _handoffs(stub, cache, tokens, repeats, start=reused_blocks)
+    pool.close()
     export_ms, import_ms = _copy_times(cache, block_ids, repeats)
-    median = statistics.median(times)
-    shm = _shm_time(cache, block_ids, repeats)
-    return Figure(tokens, kv_bytes, median * 1000, kv_bytes / median / 1e9, export_ms, import_ms,
-                  shm * 1000, kv_bytes / shm / 1e9)
+    return Figure(tokens, kv_bytes, grpc_s * 1000, kv_bytes / grpc_s / 1e9, export_ms, import_ms,
+                  shm_s * 1000, kv_bytes / shm_s / 1e9, reused_blocks, reuse_s * 1000)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="100,1000", help="prompt lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--reused", type=float, default=0.9,
+                        help="fraction of the prompt's blocks the receiver holds in the reuse case")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model_dir = str(default_model_dir())
@@ -190,7 +206,7 @@ def main() -> None:
             time.sleep(0.05)
         torch.set_num_threads(1)
         cache = _cache(ModelConfig.from_model_dir(model_dir))
-        figures = [asyncio.run(_measure(f"127.0.0.1:{port.value}", cache, int(t), args.repeats))
+        figures = [asyncio.run(_measure(f"127.0.0.1:{port.value}", cache, int(t), args.repeats, args.reused))
                    for t in args.tokens.split(",")]
     finally:
         server.terminate()
@@ -200,10 +216,12 @@ def main() -> None:
         print(json.dumps({"loadavg": loadavg, "figures": [asdict(f) for f in figures]}, indent=2))
         return
     print(f"loadavg: {loadavg}")
-    print(f"{'tokens':>7} {'KV MB':>7} {'hand-off ms':>12} {'GB/s':>6} {'export ms':>10} {'import ms':>10} {'shm ms':>7} {'shm GB/s':>9}")
+    print(f"{'tokens':>7} {'KV MB':>7} {'grpc ms':>8} {'GB/s':>6} {'shm ms':>7} {'GB/s':>6} "
+          f"{'reused':>7} {'reuse ms':>9} {'export ms':>10} {'import ms':>10}")
     for f in figures:
-        print(f"{f.tokens:>7} {f.kv_bytes / 1e6:>7.2f} {f.handoff_ms_p50:>12.2f} {f.handoff_gb_per_s:>6.2f} "
-              f"{f.export_ms_p50:>10.2f} {f.import_ms_p50:>10.2f} {f.shm_ms_p50:>7.2f} {f.shm_gb_per_s:>9.2f}")
+        print(f"{f.tokens:>7} {f.kv_bytes / 1e6:>7.2f} {f.handoff_ms_p50:>8.2f} {f.handoff_gb_per_s:>6.2f} "
+              f"{f.shm_ms_p50:>7.2f} {f.shm_gb_per_s:>6.2f} {f.reused_blocks:>7} {f.reuse_ms_p50:>9.2f} "
+              f"{f.export_ms_p50:>10.2f} {f.import_ms_p50:>10.2f}")
 
 
 if __name__ == "__main__":
