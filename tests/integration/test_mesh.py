@@ -30,6 +30,7 @@ ENV = {
     "TANDEM_THREADS": "1",
     "TANDEM_HEARTBEAT_TTL": "3",
     "TANDEM_MIGRATION": "0",  # the killed decode worker's request fails; test_migration.py moves one instead
+    "TANDEM_KV_TRANSPORT": "grpc",  # KV in the Push messages here; the other meshes take the same-host path
 }
 
 
