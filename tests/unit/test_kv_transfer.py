@@ -87,3 +87,13 @@ def test_export_into_a_buffer_writes_the_same_chunks_back_to_back(dtype):
         import_kv(target, [0, 5, 6, 8], chunk)
     for src, dst in zip([1, 4, 2], [5, 6, 8]):
         assert torch.equal(target.k[:, dst], source.k[:, src]) and torch.equal(target.v[:, dst], source.v[:, src])
+
+
+def test_a_bfloat16_cache_ships_bfloat16_bytes_with_no_up_conversion():
+    source = PagedKVCache(CONFIG, num_blocks=10, block_size=4, dtype=torch.bfloat16)
+    source.k.copy_(torch.randn_like(source.k))
+    source.v.copy_(torch.randn_like(source.v))
+    (chunk, *_) = export_kv(source, [3, 5], max_chunk_bytes=1 << 20)
+    assert (chunk.dtype, chunk.shape, len(chunk.data)) == ("bfloat16", (2, 2, 4, 2, 4), BLOCK_LAYER_BYTES)  # 2 x 2 B
+    both = torch.frombuffer(bytearray(chunk.data), dtype=torch.bfloat16).view(chunk.shape)
+    assert torch.equal(both[0], source.k[0, [3, 5]]) and torch.equal(both[1], source.v[0, [3, 5]])
