@@ -85,6 +85,8 @@ class RedisStore:
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)
         self._prune_expired = self._redis.register_script(_PRUNE_EXPIRED)
+        # Each listed worker's stored JSON (info, load) and its record: decoded again only when it changed.
+        self._listed: dict[str, tuple[tuple[str, str], WorkerRecord]] = {}
 
     def _key(self, *parts: str) -> str:
         return ":".join((self._ns, *parts))
@@ -121,10 +123,18 @@ class RedisStore:
                 for worker_id in worker_ids:
                     pipe.hgetall(self._key("worker", worker_id))
                 fields = await pipe.execute()
+            records, listed = [], {}
             for worker_id, values in zip(worker_ids, fields):
                 if not values:
                     await self._prune(worker_id)
-        return [_record(values) for values in fields if values]
+                    continue
+                raw = (values["info"], values["load"])
+                last = self._listed.get(worker_id)
+                record = last[1] if last is not None and last[0] == raw else _record(values)
+                listed[worker_id] = (raw, record)
+                records.append(record)
+            self._listed = listed
+        return records
 
     async def remove_worker(self, worker_id: str) -> None:
         with self._guard():

@@ -169,6 +169,22 @@ async def test_redis_replicas_share_state(redis_server: RedisServer) -> None:
             await store.close()
 
 
+async def test_redis_listing_decodes_a_record_again_only_when_it_changed(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    try:
+        await store.register_worker(info("a"), ttl=30, load=WorkerLoad(free_blocks=5))
+        await store.register_worker(info("b"), ttl=30, load=WorkerLoad(free_blocks=6))
+        a, b = await store.list_workers()
+        assert await store.heartbeat("b", WorkerLoad(free_blocks=7), ttl=30)
+        again_a, again_b = await store.list_workers()
+        assert again_a is a  # unchanged: the same record, not decoded again
+        assert again_b == WorkerRecord(info("b"), WorkerLoad(free_blocks=7))
+        await store.remove_worker("a")
+        assert await store.list_workers() == [again_b]
+    finally:
+        await store.close()
+
+
 async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: RedisServer) -> None:
     store = RedisStore(private_redis.url, timeout=0.5)
     try:
