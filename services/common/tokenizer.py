@@ -3,11 +3,13 @@ and UTF-8-safe incremental detokenization for streaming. Never imports torch."""
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from services.common.tool_prompt import fallback_messages, native_messages, template_supports_tools
@@ -30,6 +32,10 @@ class TextCodec:
         self._backend.no_truncation()
         self._backend.no_padding()
         self._backend.encode_special_tokens = tokenizer.split_special_tokens
+        # HF's decode is the Rust decode plus, when configured, its clean-up of spaces: without
+        # one, decoding goes straight to Rust (a streamed token decodes twice; HF's wrapper cost
+        # more than the decoding itself).
+        self._decodes_raw = not tokenizer.clean_up_tokenization_spaces
         self.eos_token_ids = eos_token_ids
 
     @classmethod
@@ -78,10 +84,20 @@ class TextCodec:
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Exactly `tokenizer.decode(ids, skip_special_tokens=...)` of HF transformers."""
+        if self._decodes_raw:
+            return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """The Rust tokenizer's own incremental decoder: one call per token, the new text or None
+        while it is held back. None when HF's decode would also clean up spaces (it cannot)."""
+        if not self._decodes_raw:
+            return None
+        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._backend)
 
 
 class IncrementalDetokenizer:
@@ -94,12 +110,15 @@ class IncrementalDetokenizer:
 
     Decoding works on a window: ids[prefix:read] is text already emitted, kept as context so
     that decoders that depend on the preceding token (leading spaces) produce the same text as
-    a full decode; the delta is what decoding ids[prefix:] adds to it.
+    a full decode; the delta is what decoding ids[prefix:] adds to it. While streaming, the Rust
+    tokenizer's DecodeStream does the same per token, in one call (TextCodec.decode_stream); the
+    window is then kept only for `flush`.
     """
 
     def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
         self._codec = codec
         self._skip_special_tokens = skip_special_tokens
+        self._step = codec.decode_stream(skip_special_tokens)
         self._token_ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -110,6 +129,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens; returns the new complete text (possibly "")."""
+        if self._step is not None:
+            return "".join([self._stepped(token_id) for token_id in token_ids])
         self._token_ids.extend(token_ids)
         delta = self._pending_text()
         if delta.endswith(REPLACEMENT_CHAR):
@@ -122,6 +143,14 @@ class IncrementalDetokenizer:
         delta = self._pending_text()
         self._advance()
         return delta
+
+    def _stepped(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
+        text = self._step(token_id)
+        if text is None:
+            return ""
+        self._advance()
+        return text
 
     def _pending_text(self) -> str:
         emitted = self._decode(self._token_ids[self._prefix : self._read])

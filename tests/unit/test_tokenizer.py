@@ -180,3 +180,29 @@ def test_threads_share_one_codec_and_get_what_one_thread_gets(codec):
     with ThreadPoolExecutor(8) as pool:
         for _ in range(20):
             assert list(pool.map(lambda job: job[0](job[1]), jobs)) == expected
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_and_stream_equal_hf_decode(codec, hf_tokenizer, skip_special_tokens):
+    for text in TEXTS:
+        ids = hf_tokenizer(text)["input_ids"] + list(codec.eos_token_ids)
+        expected = hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert codec.decode(ids, skip_special_tokens) == expected
+        detok = codec.incremental(skip_special_tokens)
+        assert "".join(detok.push([token]) for token in ids) + detok.flush() == expected
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_what_hf_decodes(tmp_path):
+    """HF cleans up " ." for a non-BPE model when configured to; the Rust DecodeStream cannot, so
+    such a codec streams through the windowed decode."""
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁.": 2}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec.from_model_dir(tmp_path)
+    assert codec.decode_stream(True) is None
+    assert codec.decode([1, 2]) == "Hello."
+    detok = codec.incremental()
+    assert "".join(detok.push([token]) for token in [1, 2]) + detok.flush() == "Hello."
