@@ -7,6 +7,7 @@ tokens; afterwards the listing shows it resident.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +77,27 @@ def test_a_request_for_another_model_runs_it_under_its_name_and_it_becomes_resid
     wait_until(lambda: listing(mesh) == [(DEFAULT, True, 1), (TINY, True, 1)], "the tiny model listed resident")
     card = httpx.get(f"{mesh.http_url}/v1/models/{TINY}", timeout=30).json()
     assert (card["id"], card["resident_workers"], card["max_model_len"]) == (TINY, 1, 2048)
+
+
+def test_tandem_models_lists_and_provisions_through_the_real_services(
+    mesh: Mesh, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.cli import models
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        parser = argparse.ArgumentParser(prog="tandem models")
+        models.add_arguments(parser)
+        code = models.main(parser.parse_args(list(argv)))
+        return (code, *capsys.readouterr())
+
+    monkeypatch.setenv("TANDEM_INTERNAL_TOKEN", mesh.internal_token)
+    scheduler = mesh.endpoint("scheduler").address
+    worker = f"colocated-{mesh.endpoint('colocated-0').address}"
+    assert run("provision", TINY, "--scheduler", scheduler) == (
+        0, f"model '{TINY}' is pinned on 1 worker ({scheduler}): {worker}\n", "")
+    code, _, err = run("provision", "nope", "--scheduler", scheduler)
+    assert (code, err.split(";")[0]) == (
+        1, "tandem models provision: NOT_FOUND: no live worker's catalogue holds model 'nope'")
+    code, out, _ = run("list", "--url", mesh.http_url)
+    assert code == 0 and out.splitlines()[1:] == [f"{DEFAULT}  yes       1        8192",
+                                                 f"{TINY}       yes       1        2048"]
