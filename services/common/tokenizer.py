@@ -97,7 +97,8 @@ class TextCodec:
         while it is held back. None when HF's decode would also clean up spaces (it cannot)."""
         if not self._decodes_raw:
             return None
-        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._backend)
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tokenizer.backend_tokenizer)
 
 
 class IncrementalDetokenizer:
