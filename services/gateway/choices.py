@@ -1,6 +1,7 @@
 """`n` independent samples of each of a request's prompts (the OpenAI `n`, and /v1/completions'
 list of prompts), as generations of the shared pipeline whose chunks are merged in arrival
-order, each tagged with its choice index: choice i of prompt p has index p * n + i.
+order, each tagged with its choice index: choice i of prompt p has index p * n + i. A request of
+one choice is read straight from its generation, as fast as the client takes its chunks.
 
 KV sharing: choice 0 is submitted alone and the others only once its first token arrived. By then
 the prompt has been prefilled and its full blocks sit in the prefill worker's prefix cache, so
@@ -41,6 +42,7 @@ class ChoiceSet:
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
         self._firsts: list[tuple[int, Chunk]] = []
+        self._only: AsyncIterator[Chunk] | None = None  # the rest of the one choice, when there is one: no merging
         self.trace_id = ""  # of the first prompt's choice 0, once validated
 
     async def start(self) -> None:
@@ -60,6 +62,10 @@ class ChoiceSet:
             raise RuntimeError("ChoiceSet.chunks() called before start()")
         for first in self._firsts:
             yield first
+        if self._only is not None:
+            async for chunk in self._only:
+                yield 0, chunk
+            return
         running = self._n * len(self._requests)
         while running:
             index, item = await self._queue.get()
@@ -80,6 +86,9 @@ class ChoiceSet:
     async def _start_prompt(self, base: int, request: GenerationRequest, first: Generation) -> None:
         first_chunks = aiter(first)
         self._firsts.append((base, await anext(first_chunks)))
+        if self._n * len(self._requests) == 1:
+            self._only = first_chunks
+            return
         self._tasks.append(asyncio.create_task(self._pump(base, first_chunks)))
         for index in range(1, self._n):
             generation = await self._pipeline.start(_sibling(request, index, first.request_id), self._timeout)

@@ -91,11 +91,7 @@ class Relay:
         """The ordered events up to the final one; raises the failure, or DeadlineExceeded when
         `remaining()` (seconds left, None: no deadline) runs out first, Interrupted after an interrupt()."""
         while True:
-            try:
-                item = await asyncio.wait_for(self._ready.get(), remaining())
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
+            item = await self._next(remaining())
             if isinstance(item, (TandemError, Interrupted)):
                 raise item
             if item is self._unread:
@@ -103,6 +99,17 @@ class Relay:
             yield item
             if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 return
+
+    async def _next(self, timeout: float | None) -> TokenEvent | TandemError | Interrupted:
+        """The next item, at once when one is ready (no timer, no task: the common case while streaming)."""
+        if not self._ready.empty():
+            return self._ready.get_nowait()
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._ready.get()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
 
     def _deliver(self, event: TokenEvent) -> None:
         """Deliver an event at or behind the cursor, without the tokens already delivered."""

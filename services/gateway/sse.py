@@ -24,9 +24,13 @@ DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
 
 
+# One encoder for every event: json.dumps with options builds a new encoder per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def event(payload: dict[str, Any]) -> bytes:
     """`data: <compact JSON>` and the blank line that ends the event."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
 
 
 class SseResponse(StreamingResponse):

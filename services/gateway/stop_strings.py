@@ -41,6 +41,8 @@ class StopStringMatcher:
         (before min_tokens, as vLLM does)."""
         if self.stopped is not None:
             return StopMatch("")
+        if not self._stops:
+            return StopMatch(text)  # nothing to hold back
         self._pending += text
         if not check:
             return StopMatch(self.flush())
