@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -41,6 +42,7 @@ class BlockReporter:
         self._stored: dict[BlockHash, None] = {}
         self._evicted: dict[BlockHash, None] = {}
         self._needs_reset = False
+        self._changed_at: float | None = None  # time.monotonic() of the oldest change not yet taken
         self._lock = asyncio.Lock()
         self._flushing: asyncio.Task | None = None
 
@@ -64,11 +66,17 @@ class BlockReporter:
             if block_hash in held:
                 held.discard(block_hash)
                 self._let_go(block_hash)
+        self._note_change()
 
     def drop(self, model: str) -> None:
         """The model left memory: its blocks are evicted (those no other model holds)."""
         for block_hash in self._by_model.pop(model, set()):
             self._let_go(block_hash)
+        self._note_change()
+
+    def _note_change(self) -> None:
+        if self._changed_at is None and (self._stored or self._evicted):
+            self._changed_at = time.monotonic()
 
     def _hold(self, block_hash: BlockHash) -> None:
         self._holders[block_hash] = self._holders.get(block_hash, 0) + 1
@@ -81,17 +89,25 @@ class BlockReporter:
             del self._holders[block_hash]
             _record(block_hash, undo=self._stored, record=self._evicted)
 
-    def attach(self, batch: scheduler_pb2.TokenBatch) -> bool:
-        """Move the pending changes onto `batch` for the token stream. False, leaving them pending,
-        when there are none, when this worker reports no blocks, or while a ReportBlocks call is
-        due or under way (`flush_soon` then sends them after it, in order)."""
+    def attach(self, batch: scheduler_pb2.TokenBatch, min_wait_s: float = 0.0) -> bool:
+        """Move the pending changes onto `batch` for the token stream if the oldest waited `min_wait_s`.
+        False, leaving them pending, when they are younger, when there are none, when this worker
+        reports no blocks, or while a full resend is due or under way (`resend_soon`: they follow it)."""
         if self._stub is None or self._needs_reset or self._lock.locked() or not (self._stored or self._evicted):
+            return False
+        if self._changed_at is not None and time.monotonic() - self._changed_at < min_wait_s:
             return False
         batch.stored_blocks.extend(self._stored)
         batch.evicted_blocks.extend(self._evicted)
         self._stored.clear()
         self._evicted.clear()
+        self._changed_at = None
         return True
+
+    def resend_soon(self) -> None:
+        """Start the full resend, with the changes after it, when one is due (`stream_lost`)."""
+        if self._needs_reset:
+            self.flush_soon()
 
     def stream_lost(self) -> None:
         """Changes attached to a token stream that broke may never have been applied: the next
@@ -138,6 +154,7 @@ class BlockReporter:
                                                         evicted=list(self._evicted))
         self._stored.clear()
         self._evicted.clear()
+        self._changed_at = None
         self._needs_reset = False
         return request
 

@@ -46,6 +46,7 @@ from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.worker")
+BLOCKS_WAIT_S = 0.5  # prefix-cache changes wait this long for a token batch to ride before going alone
 # A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
 EngineLoader = Callable[[str], Awaitable[Engine]]
 
@@ -233,7 +234,7 @@ class WorkerRuntime:
         await served.loop.stop()
         self._retired = self._retired.plus(served.loop.snapshot.counters)
         self.blocks.drop(name)
-        self._report(None)
+        self._report(None, blocks_wait_s=0.0)
         device = served.engine.config.device
         del served
         free_memory(device)
@@ -320,16 +321,20 @@ class WorkerRuntime:
                                   sum(w.num_context_tokens for w in step.work.values()),
                                   (step.ended_ns - step.started_ns) / 1e6)
 
-    def _report(self, report: scheduler_pb2.TokenBatch | None) -> None:
+    def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing) to every scheduler, with the
-        pending prefix-cache changes on the first one's (alone when there is no batch), which takes
-        the block reports; by ReportBlocks while a full resend is due."""
+        pending prefix-cache changes on the first one's, which takes the block reports. Changes
+        with no batch to ride wait up to `blocks_wait_s` for one, then go alone; a prefill worker's
+        go by ReportBlocks, and so do all while a full resend is due."""
         primary = report if report is not None and len(self.reporters) == 1 else scheduler_pb2.TokenBatch()
-        if self.reporters and self._blocks_on_stream and self.blocks.attach(primary):
+        if not (self.reporters and self._blocks_on_stream):
+            self.blocks.flush_soon()
+            primary = report
+        elif self.blocks.attach(primary, 0.0 if report is not None else blocks_wait_s):
             if primary is not report and report is not None:
                 primary.MergeFrom(report)
         else:
-            self.blocks.flush_soon()
+            self.blocks.resend_soon()
             primary = report
         for reporter in self.reporters:
             batch = primary if reporter is self.reporters[0] else report

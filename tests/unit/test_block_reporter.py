@@ -54,3 +54,12 @@ def test_pending_changes_ride_a_token_batch_unless_a_full_resend_is_due():
     later = scheduler_pb2.TokenBatch()
     assert not reporter.attach(later) and not later.stored_blocks and reporter.pending
     assert _report(reporter) == ([B, C], [])  # the reset: the whole cache
+
+
+def test_changes_with_no_batch_to_ride_wait_their_time_before_going_alone():
+    reporter = BlockReporter(None, "w")
+    reporter._stub = object()
+    reporter.note("m1", [A], [])
+    alone = scheduler_pb2.TokenBatch()
+    assert not reporter.attach(alone, min_wait_s=3600.0) and not alone.stored_blocks and reporter.pending
+    assert reporter.attach(alone, min_wait_s=0.0) and list(alone.stored_blocks) == [A]
