@@ -45,6 +45,7 @@ BASES = {
     "ColocatedService": worker_pb2_grpc.ColocatedServiceServicer,
     "KvTransferService": kv_transfer_pb2_grpc.KvTransferServiceServicer,
     "TokenStreamService": worker_pb2_grpc.TokenStreamServiceServicer,
+    "ModelService": worker_pb2_grpc.ModelServiceServicer,
 }
 DESCRIPTORS = {name: service for module in (scheduler_pb2, worker_pb2, kv_transfer_pb2)
                for name, service in module.DESCRIPTOR.services_by_name.items()}
