@@ -110,7 +110,7 @@ class Attempt:
         """Push the stream's events into the relay; whether its final event came."""
         finished = False
         try:
-            async for event in call:
+            while (event := await call.read()) is not grpc.aio.EOF:  # no async generator per message
                 if not self._current:
                     return False
                 if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
