@@ -77,6 +77,7 @@ class SimCluster:
     tiers: list[list[Child]] = field(default_factory=list)
     schedulers: list[str] = field(default_factory=list)  # every replica's address
     gateway: str = ""
+    http_gateway: str = ""  # the gateway's OpenAI-compatible HTTP door
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> address
     children: dict[str, Child] = field(default_factory=dict)  # "scheduler", "gateway", "sim-0", ...
 
@@ -108,7 +109,7 @@ class SimCluster:
             if name.startswith("sim-"):
                 self.workers.update((m["id"], m["address"]) for m in _WORKER_LINE.finditer(child.log_path.read_text()))
         port, http_port = _free_port(), _free_port()
-        self.gateway = f"127.0.0.1:{port}"
+        self.gateway, self.http_gateway = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
         self._tier([self._service("gateway", "gateway", port,
                                   ["--http-port", str(http_port), "--scheduler", ",".join(self.schedulers), *model_flags])])
 

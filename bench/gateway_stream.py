@@ -1,0 +1,152 @@
+"""Gateway CPU per streamed token: SSE streams of /v1/completions (incremental detokenization, the
+OpenAI chunk JSON) through a real gateway and scheduler, against simulated workers (`tandem
+sim-worker`: the real worker protocol and token streams, no model), so the gateway's own cost is
+what is measured.
+
+Sends `--requests` streamed requests, `--concurrency` at a time, each generating `--output-len`
+tokens (ignore_eos), and reports the gateway's CPU (from /proc/<pid>/stat) per delivered token
+and per request, with the SSE events per request (fewer than tokens when a message carried
+several) and the load average. Bounded: requests x tokens, each request with a timeout; every
+process is stopped at the end. `--profile FILE` records the gateway with py-spy (speedscope JSON).
+
+Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from bench.control_plane import cpu_model, cpu_seconds, loadavg  # noqa: E402
+from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
+
+REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass(slots=True)
+class Result:
+    requests: int
+    failed: int
+    tokens: int
+    events: int  # SSE events that carried text or a finish reason
+    wall_s: float
+    tokens_per_s: float
+    gateway_cpu_ms_per_token: float
+    gateway_cpu_ms_per_request: float
+    gateway_threads_cpu_s: dict[str, float]  # the run's CPU per gateway thread name (event loop, gRPC poller, ...)
+    loadavg_before: str
+    loadavg_after: str
+    cpu: str
+
+
+@dataclass(slots=True)
+class Outcome:
+    tokens: int = 0
+    events: int = 0
+    failed: int = 0
+
+
+async def one_request(client: httpx.AsyncClient, outcome: Outcome, i: int, args: argparse.Namespace) -> None:
+    body = {"prompt": f"Request {i}: tell me a long story about the sea.", "max_tokens": args.output_len,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+        if response.status_code != 200:
+            outcome.failed += 1
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                outcome.failed += 1
+            elif payload.get("usage"):
+                outcome.tokens += payload["usage"]["completion_tokens"]
+            else:
+                outcome.events += 1
+
+
+async def drive(address: str, count: int, args: argparse.Namespace) -> Outcome:
+    outcome = Outcome()
+    pending = iter(range(count))
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=f"http://{address}", limits=limits) as client:
+        async def worker() -> None:
+            for i in pending:
+                await one_request(client, outcome, i, args)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return outcome
+
+
+def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
+    asyncio.run(drive(cluster.http_gateway, min(16, args.requests), args))  # warm-up
+    pid = cluster.pid("gateway")
+    profiler = None
+    if args.profile:
+        profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
+                                     "--format", "speedscope", "--output", str(args.profile), "--rate", "200"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    load_before, cpu_before, threads_before, started = loadavg(), cpu_seconds(pid), thread_cpu(pid), time.monotonic()
+    outcome = asyncio.run(drive(cluster.http_gateway, args.requests, args))
+    wall, used = time.monotonic() - started, cpu_seconds(pid) - cpu_before
+    threads = {name: round(cpu - threads_before.get(name, 0.0), 3) for name, cpu in thread_cpu(pid).items()}
+    if profiler is not None:
+        profiler.terminate()
+        profiler.wait(timeout=30)
+    tokens = max(outcome.tokens, 1)
+    return Result(requests=args.requests, failed=outcome.failed, tokens=outcome.tokens, events=outcome.events,
+                  wall_s=round(wall, 2), tokens_per_s=round(outcome.tokens / wall, 1),
+                  gateway_cpu_ms_per_token=round(used * 1e3 / tokens, 4),
+                  gateway_cpu_ms_per_request=round(used * 1e3 / max(args.requests, 1), 2),
+                  gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
+                  loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model())
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each of the process's threads, summed by thread name."""
+    totals: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue  # the thread ended
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=16, help="streams in flight at once")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--workers", type=int, default=2, help="simulated colocated workers")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
+    parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tandem-gw-") as tmp:
+        cluster = SimCluster.start(Path(tmp), [SimSpec(count=args.workers, step_ms=args.step_ms, kv_blocks=4096)])
+        try:
+            result = measure(cluster, args)
+        finally:
+            cluster.stop()
+    print(json.dumps(asdict(result), indent=None if args.json else 2))
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
