@@ -248,3 +248,41 @@ def test_a_kv_push_for_another_model_or_adapter_is_refused(decode, prompts):
             push(iter([kv_transfer_pb2.KvChunk(request_id=rid, header=header)]), timeout=10)
         assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, expected)
         assert stub.Release(worker_pb2.ReleaseRequest(request_id=rid), timeout=10).released_blocks > 0
+
+
+@pytest.fixture(scope="module")
+def prefill(shared, default_model_dir) -> Iterator[Worker]:
+    tmp = shared.run_dir.parent
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TANDEM_HOME", str(shared.tiny_dir.parent.parent))
+        worker = spawn_worker("prefill", shared.scheduler.address, tmp, "--model", str(default_model_dir))
+    try:
+        wait_serving(worker)
+        yield worker
+    finally:
+        worker.stop()
+
+
+def test_disaggregated_request_for_a_catalogue_model_loads_it_on_both_workers(shared, prefill, decode, prompts,
+                                                                             references):
+    """Reserve and Prefill name the tiny model: each worker loads it (evicting its idle default model),
+    the KV crosses under its name, and the tokens are HF's for that model."""
+    rid, prompt = "disagg-tiny", prompts[1]
+    recorder = shared.recorder
+    recorder.read(prefill, rid)
+    recorder.read(decode, rid)
+    reservation = worker_pb2_grpc.DecodeServiceStub(decode.channel).Reserve(
+        worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1, model=TINY), timeout=120)
+    response = worker_pb2_grpc.PrefillServiceStub(prefill.channel).Prefill(worker_pb2.PrefillRequest(
+        request_id=rid, token_ids=prompt, model=TINY, seed=7, decode_address=decode.address,
+        decode_block_ids=reservation.block_ids, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                    temperature=0.0)), timeout=120)
+    assert response.transfer.blocks > 0
+    assert_matches(tokens_of(recorder.stream(rid, timeout=120)), references[TINY][1], "tiny model, disaggregated")
+    for worker in (prefill, decode):
+        wait_until(lambda: _held(recorder, worker) == [(TINY, RESIDENT)], f"{worker.role} holding the tiny model alone")
+
+
+def _held(recorder, worker: Worker) -> list[tuple[str, int]]:
+    load = recorder.loads.get(worker.worker_id, scheduler_pb2.WorkerLoad())
+    return [(m.name, m.state) for m in load.models]
