@@ -14,6 +14,7 @@ pool, the messages saying only where (services/runtime/kv_shm.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -150,52 +151,62 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             )
 
     async def _ship(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel) -> None:
-        """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer."""
+        """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer. A
+        segment of the pool carries the bytes to a decode worker that reads our memory; it goes back
+        to the pool once acknowledged, and is closed after anything else (the receiver may read on)."""
+        rid = request.request_id
+        segment = await self._segment_for(request, served)
+        ack = None
+        try:
+            with contextlib.ExitStack() as stack:
+                into = stack.enter_context(memoryview(segment.buffer)) if segment is not None else None
+                ack = await self._push(request, job, output, context, served, segment, into)
+        except FailedPrecondition:
+            if segment is not None:  # it cannot read our segments after all: gRPC from now on
+                self._shares_memory[request.decode_address] = False
+            raise
+        finally:
+            if segment is not None:
+                self._segments.release(segment, reuse=ack is not None)
+        if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
+            raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
+                              "transfer (its reservation was aborted or expired)")
+
+    async def _push(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel,
+                    segment: Segment | None, into: memoryview | None) -> kv_transfer_pb2.PushAck | None:
+        """Exports the KV (into `into`, the segment's memory, when given) and pushes it; the ack, or
+        None when the request was aborted first."""
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
-        segment = await self._segment_for(request, served)
-        into = memoryview(segment.buffer) if segment is not None else None
         try:
             export = await served.loop.call(
                 lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks, into))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
-            if segment is not None:
-                self._segments.release(segment)
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
         header = self._header(request, job, output, export.num_chunks)
         header.model = served.name
+        if segment is not None:
+            header.shm_segment.CopyFrom(_segment_pb(segment.id))
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
         started = time.monotonic()
         attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks,
                       Attr.KV_TRANSPORT: "shm" if segment else "grpc"}
         with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
             job.transfer.blocks = export.num_blocks
-            if segment is not None:
-                header.shm_segment.CopyFrom(_segment_pb(segment.id))
             job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer, segment is not None),
                                  timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                  metadata=(*inject_metadata(), *self._channels.metadata))
-            ack = None
             try:
                 ack = await self._await_push(rid, job.push, request.decode_address)
-            except FailedPrecondition:
-                if segment is not None:  # it cannot read our segments after all: gRPC from now on
-                    self._shares_memory[request.decode_address] = False
-                raise
             finally:
-                if segment is not None:
-                    export.chunks.close()
-                    into.release()
-                    self._segments.release(segment, reuse=ack is not None)
+                _close_quietly(export.chunks)
             seconds = time.monotonic() - started
             job.transfer.duration_ms = seconds * 1000
             span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
                                                        job.transfer.chunks, seconds))
         if self.runtime.metrics is not None:
             self.runtime.metrics.kv_transfer_time.observe(seconds)
-        if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
-            raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
-                              "transfer (its reservation was aborted or expired)")
+        return ack
 
     async def _segment_for(self, request: worker_pb2.PrefillRequest, served: ServedModel) -> Segment | None:
         """A segment of the pool big enough for the KV to ship, when the decode worker reads our
@@ -322,6 +333,14 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             await self.runtime.abort([rid])
         except RuntimeError:  # the engine loop stopped: nothing left to free
             pass
+
+
+def _close_quietly(chunks: Iterator[KvChunk]) -> None:
+    """Stops an export's chunks; one still being read in its copy thread stops when that read ends."""
+    try:
+        chunks.close()
+    except ValueError:  # generator already executing
+        pass
 
 
 async def _ack(push: grpc.aio.StreamUnaryCall) -> kv_transfer_pb2.PushAck:

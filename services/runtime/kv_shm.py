@@ -121,6 +121,8 @@ def open_segment(segment: SegmentId) -> mmap.mmap:
     """The sender's segment mapped read-only (close it after the transfer); ShmUnavailable when it
     cannot be opened here or is not the segment named."""
     path = f"/proc/{segment.pid}/fd/{segment.fd}"
+    if segment.size < 1:
+        raise ShmUnavailable(f"the segment named at {path} has {segment.size} bytes; a segment has at least one")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:

@@ -3,7 +3,8 @@
 Two rounds of 500 mixed requests (greedy, seeded sampling, stop strings, cancelled mid-stream,
 deadlines too short to finish), a decode worker SIGKILLed during the first: afterwards every
 worker's blocks are free or cached, the scheduler holds no request, Redis holds only worker and
-prefix-index keys, and no service's memory grows over the second round. Then Redis is stopped for
+prefix-index keys, no decode worker still maps a KV segment of the same-host path while the prefill
+worker keeps only its pool's idle ones, and no service's memory grows over the second round. Then Redis is stopped for
 30 s while requests keep coming: every one is served token-exact from the scheduler's last known
 state, and the scheduler leaves its degraded mode once Redis is back.
 """
@@ -24,6 +25,7 @@ import grpc
 import pytest
 import redis
 
+from services.runtime.kv_shm import MAX_IDLE_SEGMENTS, SEGMENT_NAME
 from tests.mesh import Mesh, collect, greedy_request
 from tandem.v1 import common_pb2, gateway_pb2
 from tests.redis_fixture import RedisServer
@@ -134,6 +136,34 @@ def assert_nothing_left(mesh: Mesh, redis_server: RedisServer) -> None:
         assert stats.free_blocks + stats.cached_blocks == stats.num_blocks, f"{name}: blocks neither free nor cached"
     keys = [key.decode() for key in redis.Redis.from_url(redis_server.url).keys("*")]
     assert [key for key in keys if not KEY.match(key)] == []
+    assert_no_segment_left(mesh)
+
+
+def assert_no_segment_left(mesh: Mesh) -> None:
+    """The same-host KV path leaves nothing: a decode worker maps a sender's segment only during a
+    Push, the prefill worker holds its pool's idle segments (at least one: the path was taken), and
+    nothing of Tandem's lies in /dev/shm."""
+    pids = surviving_pids(mesh)
+    for name in mesh.names("decode"):
+        if name in pids:
+            maps = Path(f"/proc/{pids[name]}/maps").read_text()
+            assert f"memfd:{SEGMENT_NAME}" not in maps, f"{name} still maps a KV segment"
+    for name in mesh.names("prefill"):
+        held = segments_held(pids[name])
+        assert 1 <= held <= MAX_IDLE_SEGMENTS, f"{name} holds {held} KV segments"
+    assert [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("tandem")] == []
+
+
+def segments_held(pid: int) -> int:
+    """The KV segments a process holds open (its own descriptors and its mappings': count inodes)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(f"/memfd:{SEGMENT_NAME}"):
+                inodes.add(fd.stat().st_ino)
+        except OSError:  # closed meanwhile
+            continue
+    return len(inodes)
 
 
 def test_a_thousand_mixed_requests_leave_nothing_behind(mesh: Mesh, redis_server: RedisServer):

@@ -52,6 +52,8 @@ def test_a_closed_or_replaced_segment_is_refused():
     ident = segment.id
     with pytest.raises(ShmUnavailable, match=r"is inode \d+ of \d+ bytes, not the segment named"):
         open_segment(replace(ident, inode=ident.inode + 1))
+    with pytest.raises(ShmUnavailable, match=r"has -1 bytes; a segment has at least one"):
+        open_segment(replace(ident, size=-1))
     segment.close()
     with pytest.raises(ShmUnavailable, match=rf"cannot open the sender's segment /proc/{ident.pid}/fd/{ident.fd}"):
         open_segment(ident)
