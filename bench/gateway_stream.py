@@ -9,7 +9,8 @@ and per request, with the SSE events per request (fewer than tokens when a messa
 several) and the load average. Bounded: requests x tokens, each request with a timeout; every
 process is stopped at the end. `--profile FILE` records the gateway with py-spy (speedscope JSON).
 
-Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]`.
+Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]
+[--stream-interval 4]`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Result:
     events: int  # SSE events that carried text or a finish reason
     wall_s: float
     tokens_per_s: float
+    stream_interval: int
     gateway_cpu_ms_per_token: float
     gateway_cpu_ms_per_request: float
     gateway_threads_cpu_s: dict[str, float]  # the run's CPU per gateway thread name (event loop, gRPC poller, ...)
@@ -109,6 +111,7 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
     tokens = max(outcome.tokens, 1)
     return Result(requests=args.requests, failed=outcome.failed, tokens=outcome.tokens, events=outcome.events,
                   wall_s=round(wall, 2), tokens_per_s=round(outcome.tokens / wall, 1),
+                  stream_interval=args.stream_interval,
                   gateway_cpu_ms_per_token=round(used * 1e3 / tokens, 4),
                   gateway_cpu_ms_per_request=round(used * 1e3 / max(args.requests, 1), 2),
                   gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
@@ -135,9 +138,12 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--workers", type=int, default=2, help="simulated colocated workers")
     parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the gateway's --stream-interval (tokens per chunk after the first)")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    os.environ["TANDEM_STREAM_INTERVAL"] = str(args.stream_interval)  # the gateway child reads it
     with tempfile.TemporaryDirectory(prefix="tandem-gw-") as tmp:
         cluster = SimCluster.start(Path(tmp), [SimSpec(count=args.workers, step_ms=args.step_ms, kv_blocks=4096)])
         try:

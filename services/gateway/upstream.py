@@ -6,6 +6,8 @@ reservations and accounting), so a request stays with the scheduler that placed 
 continuations included, unless that one cannot be reached. A call that found its scheduler's
 channel without a connection never reached it, and may go to the next one; a call that reached
 it has the scheduler's own answer. Worker channels are opened on first use, one per address.
+With a `stream_interval` above 1, a worker's stream sends the first token at once and then
+messages of at least that many tokens (fewer messages to read and chunks to send, per token).
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ class Upstream:
     that could not reach its scheduler), stream() for the workers' tokens; close() last."""
 
     def __init__(self, schedulers: Sequence[grpc.aio.Channel],
-                 open_channel: Callable[[str], grpc.aio.Channel] = internal_channel) -> None:
+                 open_channel: Callable[[str], grpc.aio.Channel] = internal_channel, stream_interval: int = 1) -> None:
         if not schedulers:
             raise ValueError("the gateway needs at least one scheduler address")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval is {stream_interval}; give 1 (each token as it comes) or more")
+        self.stream_interval = stream_interval
         self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
         self._turns = itertools.count()
         self._open_channel = open_channel
@@ -58,7 +63,8 @@ class Upstream:
 
     def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
                metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
-        """TokenStreamService.Stream on the worker at `address`."""
+        """TokenStreamService.Stream on the worker at `address`, `stream_interval` tokens a message."""
+        request.min_tokens_per_message = self.stream_interval
         if address not in self._workers:
             channel = self._open_channel(address)
             self._workers[address] = (channel, worker_pb2_grpc.TokenStreamServiceStub(channel))

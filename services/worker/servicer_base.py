@@ -48,7 +48,7 @@ class WorkerServicerBase:
         """TokenStreamService.Stream: the request's events from this worker, for the gateway."""
         if not request.request_id:
             raise InvalidRequest("request_id", "is empty; pass the attempt id of the scheduler's Placement")
-        async for event in self.runtime.streams.follow(request.request_id):
+        async for event in self.runtime.streams.follow(request.request_id, request.min_tokens_per_message):
             yield event
 
     async def LoadModel(self, request: worker_pb2.LoadModelRequest, context) -> worker_pb2.LoadModelResponse:

@@ -8,7 +8,9 @@ stream until they are read; a request opened here that nobody attaches to within
 given up (`on_abandoned` aborts it), and so is one whose reader leaves before its last event. The
 last event is the final one, or output token 0 on a worker that hands the request on after it
 (a prefill worker). Events already waiting when the reader takes one go out joined in one message
-(the tokens of consecutive steps, when the reader fell behind). `drop` ends a stream with UNAVAILABLE when the worker drops its request.
+(the tokens of consecutive steps, when the reader fell behind); a reader asking for several tokens
+per message (StreamRequest.min_tokens_per_message) gets its first token at once, then messages
+that wait for that many. `drop` ends a stream with UNAVAILABLE when the worker drops its request.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class RequestStreams:
         if not stream.attached and stream.timer is None:
             stream.timer = asyncio.get_running_loop().call_later(self._attach_s, self._unattended, request_id, stream)
 
-    async def follow(self, request_id: str) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """The request's events up to its last one; raises Unavailable. Leaving early (the call was
+    async def follow(self, request_id: str, min_tokens: int = 1) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The request's events up to its last one; raises Unavailable. After the first token, a
+        message waits for `min_tokens` tokens (or the last event). Leaving early (the call was
         cancelled) gives the request up."""
         stream = self._streams.setdefault(request_id, _Stream())
         if stream.attached:
@@ -84,6 +87,7 @@ class RequestStreams:
             stream.timer.cancel()
         last = False
         held: scheduler_pb2.TokenEvent | Unavailable | None = None  # taken while coalescing, not yet sent
+        sent = 0  # tokens sent so far
         try:
             while not last:
                 item = held if held is not None else await stream.queue.get()
@@ -91,11 +95,14 @@ class RequestStreams:
                 if isinstance(item, Unavailable):
                     last = True
                     raise item
-                while not (last := _is_last(item, stream.hands_on)) and not stream.queue.empty():
-                    held = stream.queue.get_nowait()
+                while not (last := _is_last(item, stream.hands_on)):
+                    if stream.queue.empty() and (not sent or len(item.token_ids) >= min_tokens):
+                        break  # nothing more waiting, and this message may go
+                    held = await stream.queue.get()
                     if not _follows(item, held):
                         break
                     item, held = _joined(item, held), None
+                sent += len(item.token_ids)
                 yield item
         finally:
             self._forget(request_id, stream)

@@ -37,10 +37,12 @@ class UnloadModelResponse(_message.Message):
     def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "min_tokens_per_message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    min_tokens_per_message: int
+    def __init__(self, request_id: _Optional[str] = ..., min_tokens_per_message: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora", "model", "decode_reused_blocks")

@@ -147,3 +147,17 @@ async def test_the_stream_request_names_the_attempt() -> None:
     attempt.start(lambda address, request: opened.append((address, request)) or FakeCall())
     assert [(a, r.request_id) for a, r in opened] == [(GENERATOR, "r.1"), ("127.0.0.1:2", "r.1")]
     attempt.close()
+
+
+async def test_the_upstream_asks_the_workers_for_its_stream_interval() -> None:
+    from services.gateway.upstream import Upstream
+
+    with pytest.raises(ValueError, match="stream_interval is 0; give 1"):
+        Upstream([object()], stream_interval=0)
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")
+    upstream = Upstream([channel], lambda address: channel, stream_interval=4)
+    request = worker_pb2.StreamRequest(request_id="r")
+    call = upstream.stream("127.0.0.1:1", request, timeout=1.0, metadata=())
+    assert request.min_tokens_per_message == 4
+    call.cancel()
+    await channel.close()

@@ -153,3 +153,39 @@ async def test_a_joined_event_takes_the_final_events_reason_and_usage() -> None:
     assert len(events) == 1
     assert (events[0].output_offset, list(events[0].token_ids)) == (0, [10, 11])
     assert events[0].finish_reason == LENGTH and events[0].usage.completion_tokens == 2
+
+
+async def test_a_reader_asking_for_several_tokens_per_message_gets_the_first_at_once_then_batches() -> None:
+    streams = RequestStreams(lambda r: None)
+    streams.open("r")
+    messages = aiter(streams.follow("r", min_tokens=3))
+    streams.push(event(0, 10))
+    assert (await anext(messages)).token_ids == [10]  # the first token is not held back
+    pending = asyncio.ensure_future(anext(messages))
+    for offset in (1, 2):
+        streams.push(event(offset, 10 + offset))
+        await asyncio.sleep(0)
+        assert not pending.done()  # waits for a third token
+    streams.push(event(3, 13))
+    assert list((await pending).token_ids) == [11, 12, 13]
+    streams.push(event(4, 14))
+    streams.push(event(5, 15, finish=LENGTH))  # the last event goes with what waits, however few
+    last = await anext(messages)
+    assert (last.output_offset, list(last.token_ids), last.finish_reason) == (4, [14, 15], LENGTH)
+    with pytest.raises(StopAsyncIteration):
+        await anext(messages)
+
+
+async def test_a_batching_reader_gets_the_tokens_before_a_drop_then_unavailable() -> None:
+    streams = RequestStreams(lambda r: None)
+    streams.open("r")
+    streams.push(event(0, 10))
+    streams.push(event(1, 11))
+    seen: list[tuple[int, list[int]]] = []
+    with pytest.raises(Unavailable, match="request r was dropped by this worker: aborted"):
+        async for e in streams.follow("r", min_tokens=4):
+            seen.append((e.output_offset, list(e.token_ids)))
+            if len(seen) == 1:
+                streams.push(event(2, 12))
+                streams.drop("r", "aborted")
+    assert seen == [(0, [10, 11]), (2, [12])]
