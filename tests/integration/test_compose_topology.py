@@ -34,6 +34,7 @@ from tandem.cli import deploy
 from tandem.cli.topology import Topology
 from tests.compose_env import interpolate
 from tests.integration.compose_network import LISTEN_FLAGS, ComposeNetwork, open_network
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "infra" / "docker-compose.yml"
@@ -358,7 +359,5 @@ def test_every_scheduler_places_requests_and_every_service_traces_under_its_own_
         if "build" in service and name != "model-init"
     }
     assert len(expected) == len(schedulers) + 3
-    deadline = time.monotonic() + 15
-    while not expected <= deployment.collector.span_counts.keys() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert expected <= deployment.collector.span_counts.keys(), deployment.collector.span_counts
+    wait_until(lambda: expected <= deployment.collector.span_counts.keys(),
+               f"spans from every service of {sorted(expected)}")
