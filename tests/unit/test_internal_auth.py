@@ -64,7 +64,9 @@ async def server() -> GrpcServer:
 
 
 async def _status(channel: grpc.aio.Channel, service: str, method, metadata) -> grpc.StatusCode:
-    """The status of calling `method` (any streaming kind) with one empty request message."""
+    """The status of calling `method` (any streaming kind): with one empty request message, or none on
+    a client stream. The token rides the call's metadata; a message written to a client stream races
+    the server's early status, and grpcio then reports INTERNAL instead of it (grpc/grpc#36066)."""
     request_class = message_factory.GetMessageClass(method.input_type)
     response_class = message_factory.GetMessageClass(method.output_type)
     kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
@@ -72,8 +74,8 @@ async def _status(channel: grpc.aio.Channel, service: str, method, metadata) -> 
     callable_ = kind[(method.client_streaming, method.server_streaming)](
         f"/{service}/{method.name}", request_serializer=request_class.SerializeToString,
         response_deserializer=response_class.FromString)
-    request = iter([request_class()]) if method.client_streaming else request_class()
-    call = callable_(request, metadata=metadata, timeout=5)
+    request = () if method.client_streaming else (request_class(),)
+    call = callable_(*request, metadata=metadata, timeout=5)
     return await call.code()
 
 
