@@ -7,7 +7,8 @@ operator: it goes to the gateway's log and the request's span, never to the clie
 from __future__ import annotations
 
 from services.common.errors import (
-    DEFAULT_RETRY_AFTER_S, DeadlineExceeded, InvalidRequest, NotFound, Overloaded, TandemError, Unavailable,
+    DEFAULT_RETRY_AFTER_S, DeadlineExceeded, FailedPrecondition, InvalidRequest, NotFound, Overloaded, TandemError,
+    Unavailable,
 )
 
 BUSY = "the server is at capacity; retry after the delay in retry-after"
@@ -20,9 +21,11 @@ INTERNAL = "the request failed inside the server; the operator can look it up by
 
 def for_client(error: TandemError, request_id: str, scheduler_unreached: bool = False) -> TandemError:
     """The error to send for a request that failed upstream. Errors about the request itself
-    (INVALID_ARGUMENT, NOT_FOUND) keep their message, which names the field to fix. UNAVAILABLE
+    (INVALID_ARGUMENT, NOT_FOUND) keep their message, which names the field to fix, and so does
+    FAILED_PRECONDITION (a model the scheduler serves only once provisioned; the scheduler words a
+    worker's own FAILED_PRECONDITION without the worker's detail). UNAVAILABLE
     says whether no scheduler could be reached (`scheduler_unreached`) or no worker could run it."""
-    if isinstance(error, InvalidRequest | NotFound):
+    if isinstance(error, InvalidRequest | NotFound | FailedPrecondition):
         return error
     if isinstance(error, Overloaded):
         return Overloaded(_named(BUSY, request_id), retry_after=error.retry_after)

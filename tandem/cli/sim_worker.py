@@ -4,7 +4,9 @@ plane without a model or a GPU.
 Each is a real worker (its role's servicer and services/worker/: registration, heartbeats with
 load, block events, token stream, KV hand-off) around a model-free engine
 (services/worker/sim_engine.py): an iteration sleeps --step-ms and gives every running request
-one token, a fixed function of its history. It prints `ID grpc ADDRESS` per worker, then `ready`
+one token, a fixed function of its history. Each holds the models of its catalogue (the real
+worker's --model, --model-memory, --pin, --preload) as a real worker does, loading one in --load-ms.
+It prints `ID grpc ADDRESS` per worker, then `ready`
 once every one is registered and SERVING; SIGTERM/SIGINT stops them all (deregister, drain, stop).
 """
 
@@ -37,12 +39,14 @@ DRAIN_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """What the simulation adds to a worker's flags: how many, and the engine's size and pace."""
+    """What the simulation adds to a worker's flags: how many, the engine's size and pace, and how
+    long loading a model takes (a simulated cold start)."""
 
     count: int
     kv_blocks: int
     max_seqs: int
     timing: SimTiming
+    load_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -68,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="KV blocks of each worker")
     add_option(parser, "--max-seqs", type=_positive, default=64, env="TANDEM_SIM_MAX_SEQS",
                help="requests one iteration runs at most")
+    add_option(parser, "--load-ms", type=float, default=0.0, env="TANDEM_SIM_LOAD_MS",
+               help="time to load a model (its cold start), for the primary at start and any other on demand")
     # A real worker's flags, so a simulated one is configured (and authenticates) as a real one is.
     main_common.add_arguments(parser, _spec("colocated"))
     parser.set_defaults(port=0, metrics_port=0)
@@ -90,7 +96,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         base = main_common.worker_config(args, spec)
         sim = SimConfig(args.count, args.kv_blocks, args.max_seqs,
-                        SimTiming(args.step_ms, args.prefill_tokens_per_s))
+                        SimTiming(args.step_ms, args.prefill_tokens_per_s), args.load_ms)
+        if sim.load_ms < 0:
+            raise ValueError(f"--load-ms must be >= 0, got {sim.load_ms:g}")
         if base.advertise and sim.count > 1:
             raise ValueError(f"--advertise names one address; {sim.count} workers need one each: "
                              "leave it out (each advertises its own port) or run one worker per process")
@@ -113,6 +121,7 @@ def worker_configs(sim: SimConfig, base: WorkerConfig) -> list[WorkerConfig]:
 
 def engine_factory(sim: SimConfig) -> EngineFactory:
     async def make(model_dir: Path, config: WorkerConfig) -> SimEngine:
+        await asyncio.sleep(sim.load_ms / 1000)
         return SimEngine.for_model_dir(model_dir, sim.kv_blocks, sim.timing, config.max_batched_tokens,
                                        sim.max_seqs, config.chunk_size)
 

@@ -16,6 +16,7 @@ from services.common.redis_store import RedisStore
 from services.common.store import (
     EmbeddedStore, ModelResidency, ModelState, Store, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole,
 )
+from services.gateway.client_errors import for_client
 from services.scheduler.convert import residency_to_pb
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.inflight import InflightTable
@@ -209,3 +210,8 @@ async def test_provision_model_refuses_an_empty_name_or_negative_replicas() -> N
         await servicer.ProvisionModel(scheduler_pb2.ProvisionModelRequest(replicas=1), None)
     with pytest.raises(InvalidRequest, match=r"^replicas: must be >= 0 \(0 means 1\), got -2$"):
         await servicer.ProvisionModel(scheduler_pb2.ProvisionModelRequest(model="chat", replicas=-2), None)
+
+
+def test_the_gateway_tells_the_client_why_an_unprovisioned_model_is_refused() -> None:
+    refusal = FailedPrecondition("model 'code' is not provisioned: ... tandem models provision code --replicas N")
+    assert for_client(refusal, "r-1") is refusal

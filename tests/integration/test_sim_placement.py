@@ -1,0 +1,144 @@
+"""Model placement end to end on real processes without weights: a scheduler, a gateway and two
+simulated colocated workers (`tandem sim-worker`) whose catalogue is the default model plus "chat"
+and "code" (the same directory under $TANDEM_HOME/models), room for two models each, a load taking
+300 ms. Cost placement loads a model on demand on one worker, the routing map shows it there, and
+later requests for it stay on that worker. Latency placement refuses a model until ProvisionModel
+pins it, then serves it from the workers holding it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.model_store import model_info
+from tests.mesh import collect, greedy_request
+from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
+from tests.waiting import wait_until
+from tandem.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+PROMPT = list(range(200, 240))
+MAX_TOKENS = 5
+MODELS = ("chat", "code")
+
+
+@pytest.fixture(scope="module")
+def catalogue_env(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[None]:
+    """$TANDEM_HOME/models/{chat,code}: the default model under two more names; two models' weights
+    of --model-memory; a 300 ms load."""
+    home = tmp_path_factory.mktemp("home")
+    (home / "models").mkdir()
+    for name in MODELS:
+        (home / "models" / name).symlink_to(default_model_dir, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_HOME", str(home))
+        patch.setenv("TANDEM_MODEL_MEMORY", str(2 * model_info(default_model_dir).weight_bytes))
+        patch.setenv("TANDEM_SIM_LOAD_MS", "300")
+        yield
+
+
+def start(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, *flags: str) -> SimCluster:
+    spec = SimSpec(role="colocated", count=2, step_ms=2.0, kv_blocks=64)
+    return SimCluster.start(tmp_path_factory.mktemp("sim"), [spec], model=model_dir, scheduler_flags=flags)
+
+
+@pytest.fixture(scope="module")
+def cost(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
+         default_model_dir: Path) -> Iterator[SimCluster]:
+    cluster = start(tmp_path_factory, default_model_dir)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def latency(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
+            default_model_dir: Path) -> Iterator[SimCluster]:
+    cluster = start(tmp_path_factory, default_model_dir, "--placement", "latency")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def generate(cluster: SimCluster, model: str) -> list[int]:
+    with grpc.insecure_channel(cluster.gateway) as channel:
+        stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(
+            greedy_request(PROMPT, MAX_TOKENS, model=model), timeout=30)
+        token_ids, _ = collect(stream)
+    return token_ids
+
+
+def holders(cluster: SimCluster, model: str) -> dict[str, scheduler_pb2.ModelResidency]:
+    """The routing map's entry for `model`, as the scheduler's Stats lists it: worker id -> residency."""
+    return {w.info.worker_id: m for w in cluster.scheduler_stats().workers for m in w.load.models if m.name == model}
+
+
+def last_route(cluster: SimCluster) -> str:
+    return cluster.scheduler_stats(recent_routes=1).recent_routes[-1].prefill_worker_id
+
+
+def provision(cluster: SimCluster, model: str, replicas: int,
+              metadata: tuple[tuple[str, str], ...] | None = None) -> list[str]:
+    with grpc.insecure_channel(cluster.scheduler) as channel:
+        response = scheduler_pb2_grpc.SchedulerServiceStub(channel).ProvisionModel(
+            scheduler_pb2.ProvisionModelRequest(model=model, replicas=replicas), timeout=30,
+            metadata=cluster.metadata if metadata is None else metadata)
+    return list(response.worker_ids)
+
+
+def test_workers_register_their_catalogue_and_hold_their_primary_model(cost: SimCluster,
+                                                                      default_model_dir: Path) -> None:
+    primary = default_model_dir.name
+    for worker in cost.scheduler_stats().workers:
+        assert list(worker.info.catalogue) == [primary, *MODELS]
+        assert [(m.name, m.state) for m in worker.load.models] == [(primary, scheduler_pb2.MODEL_STATE_RESIDENT)]
+
+
+def test_cost_placement_loads_a_model_on_one_worker_and_keeps_its_requests_there(cost: SimCluster) -> None:
+    assert generate(cost, "code") == sim_tokens(PROMPT, MAX_TOKENS)
+    loader = last_route(cost)
+    resident = wait_until(lambda: holders(cost, "code"), "code resident in the routing map")
+    assert list(resident) == [loader] and resident[loader].state == scheduler_pb2.MODEL_STATE_RESIDENT
+    for _ in range(3):  # the other worker is as idle, but does not hold the model
+        assert generate(cost, "code") == sim_tokens(PROMPT, MAX_TOKENS)
+        assert last_route(cost) == loader
+    assert list(holders(cost, "code")) == [loader]
+
+
+def test_latency_placement_refuses_an_unprovisioned_model(latency: SimCluster) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(latency, "chat")
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().endswith(
+        "model 'chat' is not provisioned: --placement latency serves only provisioned models and never loads one for "
+        "a request; provision it first: tandem models provision chat --replicas N")
+    assert holders(latency, "chat") == {}  # nothing was loaded for it
+
+
+def test_provisioning_pins_a_model_on_the_asked_workers_and_then_it_is_served(latency: SimCluster) -> None:
+    chosen = provision(latency, "chat", 2)
+    assert sorted(chosen) == sorted(latency.workers)
+    pinned = holders(latency, "chat")  # at once, before any heartbeat
+    assert sorted(pinned) == sorted(latency.workers)
+    assert all(m.pinned and m.state == scheduler_pb2.MODEL_STATE_RESIDENT for m in pinned.values())
+    assert generate(latency, "chat") == sim_tokens(PROMPT, MAX_TOKENS)
+    assert provision(latency, "chat", 1) == [chosen[0]]  # already pinned: nothing to load
+
+
+def test_provisioning_refuses_an_unknown_model_too_many_replicas_and_a_caller_without_the_token(
+        latency: SimCluster) -> None:
+    with pytest.raises(grpc.RpcError) as unknown:
+        provision(latency, "nope", 1)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no live worker's catalogue holds model 'nope'" in unknown.value.details()
+    with pytest.raises(grpc.RpcError) as short:
+        provision(latency, "code", 3)
+    assert short.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "only 2 of 3 colocated workers could take it" in short.value.details()
+    with pytest.raises(grpc.RpcError) as anonymous:
+        provision(latency, "code", 1, metadata=())
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
