@@ -29,7 +29,7 @@ reports its load again: its last report was too hopeful, and routing waits for a
 The routing map (model -> the workers holding it, model_placement.py) is read from the workers'
 records: their catalogues from registration, their resident and loading models from each heartbeat,
 both kept in the store. A model this scheduler had loaded or unloaded (record_models) shows at once, here and in
-the store, before the worker's next heartbeat says so. `placement` is the policy routing applies.
+the store, before the worker's next heartbeat says so. `model_placement` is the policy routing applies.
 """
 
 from __future__ import annotations
