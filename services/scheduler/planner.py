@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from services.common.block_hash import hash_chain
-from services.common.errors import InvalidRequest, Unavailable
+from services.common.errors import FailedPrecondition, InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable, WorkerLoads
 from services.scheduler.prefill_placement import PrefillDecision, PrefillInputs, PrefillPlacement, PrefillSite
@@ -102,8 +102,12 @@ def never_fits(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest) -
 
 
 def _generators(registry: WorkerRegistry, model: str) -> list[WorkerRecord]:
-    """The workers that would hold the request's KV: colocated ones when any serve the model, else decode ones."""
-    records = serving(registry.snapshot(), model, registry.model_placement)
+    """The workers that would hold the request's KV: colocated ones when any serve the model, else decode ones.
+    None for a model latency placement refuses: routing refuses it (never admission, which only waits)."""
+    try:
+        records = serving(registry.snapshot(), model, registry.model_placement)
+    except FailedPrecondition:
+        return []
     return _with_role(records, WorkerRole.COLOCATED) or _with_role(records, WorkerRole.DECODE)
 
 

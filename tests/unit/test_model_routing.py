@@ -22,7 +22,7 @@ from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.inflight import InflightTable
 from services.scheduler.model_loads import ModelLoads
 from services.scheduler.model_placement import Action, ActionKind, ModelPlacement, ReplicaRule, routing_map
-from services.scheduler.planner import plan_route
+from services.scheduler.planner import Room, plan_route, room
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SchedulerServicer
 from tandem.v1 import scheduler_pb2, worker_pb2
@@ -97,6 +97,8 @@ async def test_latency_placement_refuses_an_unprovisioned_model_and_never_routes
                                                  "first: tandem models provision code --replicas N$"):
         await plan_route(registry, InflightTable(), submit("code"))
     assert await route(registry, "chat") == (["c-1", "c-2"], [])  # the full holder c-2, never the idle c-0
+    # Admission only asks whether the request may wait for room: it lets the refused one through, routing refuses it.
+    assert room(registry, InflightTable(), submit("code")) is Room.NOW
 
 
 @pytest.fixture(params=["embedded", "redis"])
