@@ -80,12 +80,10 @@ class OutputAssembler:
                                      *event.prompt_logprobs]
         if self._options.prompt_only:
             return self._prompt_only(chunk, event)
-        last = len(event.token_ids) - 1
-        for index, token_id in enumerate(event.token_ids):
-            shown = not (index == last and self._ends_on_stop_token(event))
-            self._add_token(chunk, token_id, event.logprobs[index] if event.logprobs else None, shown)
-            if self.finished:
-                return chunk
+        if not self._stops.searches:
+            self._add_all(chunk, event)
+        elif self._add_each(chunk, event):
+            return chunk  # a stop string ended the output
         if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(chunk, event)
         return chunk if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.prompt_logprobs else None
@@ -101,6 +99,30 @@ class OutputAssembler:
         """The event's last token is the stop token that finishes the request."""
         return (event.finish_reason == common_pb2.FINISH_REASON_STOP and bool(event.token_ids)
                 and event.token_ids[-1] in self._stop_token_ids)
+
+    def _add_each(self, chunk: Chunk, event: scheduler_pb2.TokenEvent) -> bool:
+        """An event's tokens one by one through the stop strings; whether one of them ended the output."""
+        last = len(event.token_ids) - 1
+        for index, token_id in enumerate(event.token_ids):
+            shown = not (index == last and self._ends_on_stop_token(event))
+            self._add_token(chunk, token_id, event.logprobs[index] if event.logprobs else None, shown)
+            if self.finished:
+                return True
+        return False
+
+    def _add_all(self, chunk: Chunk, event: scheduler_pb2.TokenEvent) -> None:
+        """An event's tokens in one go, as `_add_token` adds them one by one: without stop strings
+        nothing ends the output inside an event, and the text of the tokens is their joined deltas."""
+        token_ids = list(event.token_ids)
+        if not token_ids:
+            return
+        chunk.token_ids.extend(token_ids)
+        chunk.logprobs.extend(event.logprobs)
+        self._num_output_tokens += len(token_ids)
+        self._last_token_id = token_ids[-1]
+        if self._ends_on_stop_token(event) and not self._options.include_stop_str_in_output:
+            token_ids.pop()  # the stop token is not in the text
+        chunk.text += self._detokenizer.push(token_ids)
 
     def _add_token(self, chunk: Chunk, token_id: int, logprob: common_pb2.TokenLogprob | None, shown: bool) -> None:
         chunk.token_ids.append(token_id)

@@ -36,6 +36,11 @@ class StopStringMatcher:
         self._pending = ""  # received, not yet sent: a possible start of a stop string
         self.stopped: str | None = None
 
+    @property
+    def searches(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def push(self, text: str, check: bool = True) -> StopMatch:
         """Adds text; returns what may be sent now. `check=False` lets text through unsearched
         (before min_tokens, as vLLM does)."""

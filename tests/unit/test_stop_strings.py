@@ -174,3 +174,21 @@ def test_eos_text_is_not_shown_even_with_special_tokens(codec):
     assembler = OutputAssembler(codec, options, prompt_token_ids=[1, 2, 3])
     [chunk] = [assembler.on_event(e) for e in events(ids, len(ids), final=common_pb2.FINISH_REASON_STOP)]
     assert (chunk.text, chunk.token_ids, chunk.stop_token_id) == ("Paris", ids, 2)
+
+
+@pytest.mark.parametrize("per_event", [1, 3])
+@pytest.mark.parametrize("include", [False, True])
+def test_without_stop_strings_an_event_is_taken_whole_with_the_same_chunks(codec, per_event, include):
+    ids = codec.encode(" Grüße 日本語 🎉 ok. Paris") + [2]  # ends on EOS
+
+    def chunks(stop: tuple[str, ...]) -> list[tuple[list[int], str, str | None]]:
+        options = OutputOptions(SamplingParams(), stop, include_stop_str_in_output=include, skip_special_tokens=False)
+        assembler = OutputAssembler(codec, options, prompt_token_ids=[1, 2, 3])
+        found = [assembler.on_event(e) for e in events(ids, per_event, final=common_pb2.FINISH_REASON_STOP)]
+        return [(c.token_ids, c.text, c.finish_reason) for c in found if c is not None]
+
+    whole = chunks(())
+    assert whole == chunks(("never in this text",))  # searched token by token
+    assert "".join(text for _, text, _ in whole) == codec.decode(ids if include else ids[:-1],
+                                                                 skip_special_tokens=False)
+    assert whole[-1][2] == "stop"
