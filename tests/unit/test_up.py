@@ -27,6 +27,7 @@ from services.common.tls import MutualTLS
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
 from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
 from tests.certificates import CertificateAuthority
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 # A `services` package that puts stand-ins for scheduler, prefill and decode in front of the real
@@ -296,7 +297,8 @@ def test_supervisor_restarts_a_dead_child_with_the_same_command_and_environment(
         pids = [child.pid]
         for failure, delay in ((1, 0.5), (2, 1.0)):
             clock.now += 1.0
-            wait_for(lambda: log.read_text().count("run m1") == failure)  # it runs with the environment given
+            # it runs with the environment given
+            wait_until(lambda: log.read_text().count("run m1") == failure, f"run {failure} of svc")
             kill_and_wait(child)
             assert supervisor.check() and said.pop(0).startswith("svc exited with status -9 (log ")
             assert said == [f"restarting svc in {delay} s (restart {failure} of at most 2 in a row)"]
@@ -308,7 +310,7 @@ def test_supervisor_restarts_a_dead_child_with_the_same_command_and_environment(
             assert said[1:] == [f"svc restarted, pid {child.pid}"]
             assert supervisor.check() and said[2:] == [f"svc is ready again (pid {child.pid})"]
             said.clear()
-        wait_for(lambda: log.read_text().count("run m1") == 3)
+        wait_until(lambda: log.read_text().count("run m1") == 3, "run 3 of svc")
         assert log.read_text().splitlines() == [
             "run m1", "", "--- tandem up: restarting svc after exit status -9 ---", "run m1",
             "", "--- tandem up: restarting svc after exit status -9 ---", "run m1"]
@@ -326,13 +328,6 @@ def kill_and_wait(child: Child) -> None:
     os.kill(child.pid, signal.SIGKILL)
     assert child.process is not None
     child.process.wait(timeout=30)
-
-
-def wait_for(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_endpoint_line_and_devices():
@@ -388,7 +383,7 @@ def test_a_child_runs_with_its_own_environment_over_the_launchers(tmp_path):
     child = Child("svc", [sys.executable, "-c", script], tmp_path / "svc.log", ready=lambda: True,
                   env={"CUDA_VISIBLE_DEVICES": "3"})
     child.start({**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3", "TANDEM_X": "x"})
-    wait_for(lambda: child.exit_code() is not None)
+    wait_until(lambda: child.exit_code() is not None, "svc to exit")
     assert child.exit_code() == 0
     assert (tmp_path / "svc.log").read_text() == "3 x\n"
 
