@@ -90,26 +90,25 @@ class Relay:
     async def events(self, remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
         """The ordered events up to the final one; raises the failure, or DeadlineExceeded when
         `remaining()` (seconds left, None: no deadline) runs out first, Interrupted after an interrupt()."""
-        while True:
-            item = await self._next(remaining())
-            if isinstance(item, (TandemError, Interrupted)):
-                raise item
-            if item is self._unread:
-                self._unread = None
-            yield item
-            if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                return
-
-    async def _next(self, timeout: float | None) -> TokenEvent | TandemError | Interrupted:
-        """The next item, at once when one is ready (no timer, no task: the common case while streaming)."""
-        if not self._ready.empty():
-            return self._ready.get_nowait()
+        left = remaining()
+        timer = None if left is None else asyncio.get_running_loop().call_later(left, self._expire)
         try:
-            async with asyncio.timeout(timeout):
-                return await self._ready.get()
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)") from None
+            while True:  # one timer for the whole stream, none per event
+                item = self._ready.get_nowait() if not self._ready.empty() else await self._ready.get()
+                remaining()  # raises once the deadline passed
+                if isinstance(item, (TandemError, Interrupted)):
+                    raise item
+                if item is self._unread:
+                    self._unread = None
+                yield item
+                if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self) -> None:
+        self.fail(DeadlineExceeded(f"request {self.request_id}: its deadline passed after {self.next_offset} token(s)"))
 
     def _deliver(self, event: TokenEvent) -> None:
         """Deliver an event at or behind the cursor, without the tokens already delivered."""
