@@ -113,6 +113,7 @@ class ResidentModels(Generic[T]):
         finally:
             held.leases -= 1
             held.last_used = self._clock()
+            self._leave_if_idle(held)
 
     def note_used(self, name: str) -> None:
         """The model just stepped: used now when busy; a model unloaded while busy leaves once idle."""
@@ -121,8 +122,7 @@ class ResidentModels(Generic[T]):
             return
         if self._busy(held):
             held.last_used = self._clock()
-        elif held.leaving:
-            self._evict(held)
+        self._leave_if_idle(held)
 
     def resident(self, name: str) -> T | None:
         """The model when it is resident now (no load, no wait)."""
@@ -235,6 +235,11 @@ class ResidentModels(Generic[T]):
         """Forgets the model now (a new request loads it afresh) and frees it in the background."""
         del self._held[held.name]
         return asyncio.ensure_future(self._unload(held.name, held.take()))
+
+    def _leave_if_idle(self, held: _Held[T]) -> None:
+        """A model unloaded while busy leaves once idle (if still held: not evicted meanwhile)."""
+        if held.leaving and self._held.get(held.name) is held and held.model is not None and not self._busy(held):
+            self._evict(held)
 
     def _evictable(self, held: _Held[T]) -> bool:
         return held.state is ModelState.RESIDENT and not held.pinned and not self._busy(held)

@@ -178,3 +178,12 @@ async def test_an_evicted_model_is_freed_before_the_next_one_loads():
     gc.collect()
     assert alive_during_load == [False, False]
     assert built[0]() is None and built[1]() is not None
+
+
+async def test_a_model_unloaded_while_leased_leaves_when_the_lease_ends():
+    fake = Fake()
+    models = fake.residency(100, a=30)
+    async with models.lease("a"):
+        assert await models.unload("a") is False
+    await asyncio.sleep(0)
+    assert fake.unloads == ["a"] and models.models() == {}
