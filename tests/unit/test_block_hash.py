@@ -4,7 +4,7 @@ import hashlib
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.block_hash import hash_block, hash_chain
@@ -66,6 +66,7 @@ def test_bad_inputs_name_the_problem():
         hash_block(None, [-1])
 
 
+@settings(deadline=None)  # no per-example time limit: a loaded machine only adds time
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(1, 8))
 def test_chain_of_a_prefix_is_a_prefix_of_the_chain(tokens, block_size):
     chain = hash_chain(tokens, block_size)
