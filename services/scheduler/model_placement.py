@@ -8,7 +8,8 @@ and holds its `model` alone, pinned.
 
 Routing (planner.py) ranks the workers that can serve the request's model by prefix hits and load,
 as for one model, then puts the holders first, in that order (`prefer_holders`). Only when no holder
-has room for the request does cost placement put a worker that would load the model first: the
+has room for the request (the free KV blocks of its prompt; a prefill worker always has room) does
+cost placement put a worker that would load the model first: the
 others in bin-packing order (`loader_order`): the least loaded (running plus waiting), among them
 the most free model memory, among them the one whose coldest evictable model (resident, unpinned,
 idle) has been idle longest, then by id.
