@@ -161,9 +161,9 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             with contextlib.ExitStack() as stack:
                 into = stack.enter_context(memoryview(segment.buffer)) if segment is not None else None
                 ack = await self._push(request, job, output, context, served, segment, into)
-        except FailedPrecondition:
-            if segment is not None:  # it cannot read our segments after all: gRPC from now on
-                self._shares_memory[request.decode_address] = False
+        except FailedPrecondition as exc:
+            if segment is not None and "from shared memory" in str(exc):  # it cannot read our segments after all
+                self._shares_memory[request.decode_address] = False  # gRPC from now on
             raise
         finally:
             if segment is not None:
