@@ -29,11 +29,14 @@ import itertools
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +52,7 @@ from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
 from services.scheduler.stats import RECENT_ROUTES  # noqa: E402
 
 WORKER_SPANS = (SpanName.COLOCATED, SpanName.PREFILL)  # where a placement lands
-INDEX_BATCH = 10_000  # synthetic block hashes per ReportBlocks (a Redis pipeline well inside its 1 s timeout)
+INDEX_BATCH = 2_000  # synthetic block hashes per ReportBlocks (a Redis pipeline well inside its 1 s timeout, loaded)
 SHARED_PREFIX = 32  # tokens of the prompt a family of requests shares
 FAMILIES = 16
 REQUEST_TIMEOUT_S = 60.0
@@ -61,6 +64,10 @@ class Point:
     index_blocks: int
     store: str  # "embedded" | "redis"
     schedulers: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.store}-{self.index_blocks}-blocks-{self.workers}-workers-{self.schedulers}-schedulers"
 
 
 @dataclass(slots=True)
@@ -133,6 +140,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep each point's logs and span files in DIR/POINT (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="py-spy the scheduler replicas through each point's measured run: collapsed stacks "
+                             "(one per line, then its sample count) into DIR/POINT-REPLICA.txt")
     args = parser.parse_args()
     for store in args.stores:
         if store not in ("embedded", "redis"):
@@ -150,8 +160,8 @@ def _ints(text: str) -> list[int]:
 
 def run_point(point: Point, args: argparse.Namespace) -> Result:
     with tempfile.TemporaryDirectory(prefix="tandem-cp-") as tmp:
-        name = f"{point.store}-{point.index_blocks}-blocks-{point.workers}-workers-{point.schedulers}-schedulers"
-        run_dir = args.keep / name if args.keep else Path(tmp)
+        run_dir = args.keep / point.name if args.keep else Path(tmp)
+        run_dir.mkdir(parents=True, exist_ok=True)  # Redis writes its log there first
         redis = RedisServer(run_dir) if point.store == "redis" else None
         if redis is not None:
             redis.start()
@@ -185,9 +195,10 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     sims = [name for name in cluster.children if name.startswith("sim-")]
     pids.update({name: cluster.pid(name) for name in sims})
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
-    t0 = time.monotonic()
-    outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
-    wall = time.monotonic() - t0
+    with profiling(args.profile, point, {name: pids[name] for name in replicas}):
+        t0 = time.monotonic()
+        outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
+        wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
     hits, routed = prefix_hits(cluster, set(outcome.request_ids))
@@ -213,6 +224,26 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         index_fill_s=round(index_fill_s, 1),
         loadavg_before=load_before, loadavg_after=loadavg(),
     )
+
+
+@contextmanager
+def profiling(directory: Path | None, point: Point, pids: dict[str, int]) -> Iterator[None]:
+    """py-spy each process in `pids` while the block runs (nothing without a directory)."""
+    if directory is None:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    spies = [subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format",
+                               "raw", "--nonblocking", "--output", str(directory / f"{point.name}-{child}.txt")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for child, pid in pids.items()]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for spy in spies:
+            spy.wait(timeout=60)
 
 
 def prefix_hits(cluster: SimCluster, request_ids: set[str]) -> tuple[int, int]:
