@@ -6,6 +6,7 @@ not started); a scheduler's own refusal is final."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from services.gateway.upstream import Upstream
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from tests.placing_scheduler import PlacingScheduler
 from tests.redis_fixture import free_port
+from tests.waiting import eventually
 
 REPLY = [1000, 1001]
 
@@ -102,11 +104,12 @@ async def test_a_scheduler_that_cannot_be_reached_is_passed_over(default_model_d
         await server.stop(0)
 
 
-async def test_a_request_sent_while_the_only_scheduler_restarts_waits_for_it(default_model_dir) -> None:
+async def test_a_request_sent_while_the_only_scheduler_restarts_waits_for_it(default_model_dir, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="services.gateway.generation")
     port = free_port()
     async with gateway(default_model_dir, port) as stub:
         pending = asyncio.ensure_future(tokens(stub, "early"))
-        await asyncio.sleep(0.3)  # a few refused connections: no scheduler listens yet
+        await eventually(lambda: "no scheduler can be reached" in caplog.text, "a round of refused connections")
         assert not pending.done()
         scheduler, server = await start_scheduler(port)
         try:
