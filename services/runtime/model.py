@@ -5,7 +5,8 @@ only at the rows that are sampled. q/k/v and gate/up projections are fused at lo
 each layer runs three matrix products instead of seven. Activations, norms' outputs and the KV
 cache take the model's dtype; norms compute in float32 as HF's do, and logits come out float32.
 Projections are `quantization.Linear`s: dense, or int8/int4 weights. With quantized weights the
-LM head is int8 (as llama.cpp keeps its output layer above 4 bits); the embedding stays dense.
+LM head is int8 (as llama.cpp keeps its output layer above 4 bits: an int4 head, though twice as
+fast, cut bf16+int4's top-1 agreement with fp32 from 0.991 to 0.959); the embedding stays dense.
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on `x` [tokens, heads, head_dim], queries and keys at once: HF's x * cos + rotate_half(x) * sin
+    in four operations, as `sin` comes with its first half negated (`CausalLM.sin`), so the halves
+    swap by a flip: rotate_half(x) * sin = flip(x) * sin_signed, to the bit."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -92,7 +96,7 @@ class CausalLM:
         freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
         table = torch.cat((freqs, freqs), dim=-1).to(embed.device)
         self.cos = table.cos().to(embed.dtype)
-        self.sin = table.sin().to(embed.dtype)
+        self.sin = (table.sin() * torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)).to(embed.dtype)
 
     @classmethod
     def from_model_dir(
@@ -141,16 +145,13 @@ class CausalLM:
                    meta: BatchMetadata):
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = project("qkv", x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        heads = (cfg.num_heads, cfg.num_kv_heads)
+        qkv = project("qkv", x).view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split((sum(heads), cfg.num_kv_heads), dim=1)
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k = qk.split(heads, dim=1)
+            qk = torch.cat((rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)), 1)
+        q, k = rotate(qk, cos, sin).split(heads, dim=1)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return project("o_proj", out.reshape(x.shape[0], q_size))
 

@@ -46,7 +46,7 @@ class ModelRunner:
         meta = BatchMetadata(
             positions=torch.arange(n, device=device),
             slot_mapping=torch.tensor([table[p // size] * size + p % size for p in range(n)], device=device),
-            num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+            num_decode_tokens=0, decode_block_tables=None, decode_context_lens=None, decode_bias=None,
             prefills=[PrefillSegment(0, n, n, torch.tensor(table, device=device))],
             logits_indices=torch.arange(n, device=device),
         )
@@ -79,14 +79,14 @@ class ModelRunner:
             else:
                 block_ids = torch.tensor(table, device=device)
                 prefills.append(PrefillSegment(q_start, chunk.num_new_tokens, end, block_ids))
-        tables, lens, mask = self._decode_tensors(decode_tables, decode_lens, size, device)
+        tables, lens, bias = self._decode_tensors(decode_tables, decode_lens, size, device)
         meta = BatchMetadata(
             positions=torch.tensor(positions, device=device),
             slot_mapping=torch.tensor(slots, device=device),
             num_decode_tokens=len(decode_lens),
             decode_block_tables=tables,
             decode_context_lens=lens,
-            decode_mask=mask,
+            decode_bias=bias,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, device=device, dtype=torch.long),
         )
@@ -97,8 +97,10 @@ class ModelRunner:
         if not tables:
             return None, None, None
         width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        # Padding repeats a row's own first block: initialized memory, whose slots the bias hides.
+        padded = torch.tensor([t + t[:1] * (width - len(t)) for t in tables], device=device)
         context_lens = torch.tensor(lens, device=device)
         key_pos = torch.arange(width * block_size, device=device)
-        mask = (key_pos[None, :] < context_lens[:, None]).view(len(lens), 1, 1, -1)
-        return padded, context_lens, mask
+        past = (key_pos[None, :] >= context_lens[:, None]).view(len(lens), 1, 1, -1)
+        bias = torch.zeros(past.shape, device=device).masked_fill_(past, float("-inf"))
+        return padded, context_lens, bias
