@@ -11,9 +11,16 @@ receiver's event loop), by each of the workers' transports:
 
 Reports, per prompt length (default 100 and 1,000 tokens of the default model): ms per hand-off
 (median of --repeats) and GB/s (10^9 bytes of the prompt's KV per second), plus the export and
-import copies alone. Bounded: --repeats hand-offs per length and transport. Print `cat
-/proc/loadavg` beside the figures; run under `flock /tmp/tandem-bench.lock`.
-Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--reused 0.9] [--json]`.
+import copies alone. Bounded: --repeats hand-offs per length and transport.
+
+--mesh N instead starts `tandem up --prefill 1 --decode 1` once per transport (TANDEM_KV_TRANSPORT
+grpc, then auto: the same-host path) and sends N greedy requests of a 1,000-word text prompt, one
+at a time, each new from its first word: the median time to the first token (the prefill worker's:
+before the KV moves), to the second (the decode worker's first: after it) and the KV transfer ms the
+stream reports. Print `cat /proc/loadavg` beside the figures; run under `flock
+/tmp/tandem-bench.lock`.
+Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--reused 0.9] [--json]`
+or `.venv/bin/python bench/kv_transfer.py --mesh 3`.
 """
 
 from __future__ import annotations
@@ -186,14 +193,76 @@ async def _measure(address: str, cache: PagedKVCache, tokens: int, repeats: int,
                   shm_s * 1000, kv_bytes / shm_s / 1e9, reused_blocks, reuse_s * 1000)
 
 
+@dataclass(slots=True)
+class MeshFigure:
+    transport: str
+    prompt_tokens: int
+    ttft_ms_p50: float
+    second_token_ms_p50: float
+    kv_transfer_ms_p50: float
+
+
+def _words(request: int) -> str:
+    """1,000 words, the first naming the request, so no two requests share a cached block."""
+    vocabulary = ["river", "stone", "valley", "morning", "garden", "letter", "window", "quiet", "market", "bridge",
+                  "winter", "harbour", "lantern", "orchard", "meadow", "silver", "candle", "journey", "forest", "tower"]
+    return f"Request{request} " + " ".join(vocabulary[(request * 7 + i * 13) % len(vocabulary)] for i in range(999))
+
+
+def _mesh_run(transport: str, requests: int) -> MeshFigure:
+    import tempfile
+
+    from tandem.v1 import common_pb2, gateway_pb2
+    from tests.mesh import Mesh
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        mesh = Mesh.start("--prefill", "1", "--decode", "1", env={"TANDEM_KV_TRANSPORT": transport},
+                          run_dir=Path(run_dir))
+        try:
+            samples = []
+            for i in range(requests + 1):  # the first warms up
+                request = gateway_pb2.GenerateRequest(prompt=_words(i + (1000 if transport == "grpc" else 0)),
+                                                      sampling=common_pb2.SamplingParams(
+                                                          max_tokens=4, temperature=0.0, ignore_eos=True))
+                start, stamps, transfer_ms, prompt_tokens = time.perf_counter(), [], 0.0, 0
+                for message in mesh.gateway().Generate(request, timeout=600):
+                    stamps.extend([time.perf_counter()] * len(message.token_ids))
+                    transfer_ms = max(transfer_ms, message.timings.kv_transfer_ms)
+                    prompt_tokens = max(prompt_tokens, message.usage.prompt_tokens)
+                samples.append((stamps[0] - start, stamps[1] - start, transfer_ms, prompt_tokens))
+        finally:
+            mesh.stop()
+    samples = samples[1:]
+    return MeshFigure(transport, samples[0][3], statistics.median(s[0] for s in samples) * 1000,
+                      statistics.median(s[1] for s in samples) * 1000, statistics.median(s[2] for s in samples))
+
+
+def main_mesh(requests: int, as_json: bool) -> None:
+    figures = [_mesh_run(transport, requests) for transport in ("grpc", "auto")]
+    loadavg = Path("/proc/loadavg").read_text().strip()
+    if as_json:
+        print(json.dumps({"loadavg": loadavg, "mesh": [asdict(f) for f in figures]}, indent=2))
+        return
+    print(f"loadavg: {loadavg}")
+    print(f"{'transport':>9} {'prompt':>7} {'TTFT ms':>8} {'2nd token ms':>13} {'KV transfer ms':>15}")
+    for f in figures:
+        print(f"{f.transport:>9} {f.prompt_tokens:>7} {f.ttft_ms_p50:>8.0f} {f.second_token_ms_p50:>13.0f} "
+              f"{f.kv_transfer_ms_p50:>15.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="100,1000", help="prompt lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--reused", type=float, default=0.9,
                         help="fraction of the prompt's blocks the receiver holds in the reuse case")
+    parser.add_argument("--mesh", type=int, metavar="N", default=0,
+                        help="time N requests of a 1,000-word prompt through a disaggregated mesh per transport")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.mesh:
+        main_mesh(args.mesh, args.json)
+        return
     model_dir = str(default_model_dir())
     port = multiprocessing.get_context("spawn").Value("i", 0)
     server = multiprocessing.get_context("spawn").Process(target=_serve, args=(model_dir, port), daemon=True)
