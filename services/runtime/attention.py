@@ -90,8 +90,10 @@ class TorchAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
+        if not meta.prefills:  # a decode-only step: no copy into a joint output
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta, scale)
         for seg in meta.prefills:
