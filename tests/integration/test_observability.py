@@ -273,8 +273,10 @@ def test_a_prefix_cache_hit_shows_in_the_prefill_span(mesh, run_dir):
     assert iterations(warm_spans) == [(8, 64, 1)]
     scores = json.loads(one(warm_spans, SpanName.SCHEDULER_ROUTE).attributes[Attr.ROUTE_SCORES])
     assert scores[route_of(mesh, "obs-prefix-warm").prefill_worker_id]["cached_blocks"] == 4
-    # the decode worker still needs the whole prompt's KV: 72 tokens, 5 blocks
-    assert one(warm_spans, SpanName.KV_SEND).attributes[Attr.KV_BYTES] == kv_bytes(72)
+    # the decode worker reuses the shared prefix's 4 blocks from its own prefix cache: of the prompt's
+    # 5 blocks of KV, only the last one is shipped
+    kv_send = one(warm_spans, SpanName.KV_SEND).attributes
+    assert (kv_send[Attr.KV_REUSED_BLOCKS], kv_send[Attr.KV_BYTES]) == (4, kv_bytes(72) - kv_bytes(64))
 
 
 def test_http_requests_are_traced_from_the_gateway_root(mesh, run_dir, model_name):
