@@ -42,7 +42,7 @@ class ModelLoads:
 
     async def provision(self, model: str, replicas: int) -> list[str]:
         """Pin `model` on `replicas` workers of each role a request needs (colocated, else prefill and
-        decode), counting those that pin it already, preferring those that hold it, then by the
+        decode), counting those that pin it already (by id), preferring those that hold it, then by the
         bin-packing order. Returns their ids. NotFound when no live worker's catalogue holds it;
         Overloaded when fewer than `replicas` of a role could take it (those that did keep it)."""
         able = [r for r in await self._registry.live_workers() if can_serve(r, model)]
@@ -76,7 +76,7 @@ class ModelLoads:
             await self.rebalance(rule)
 
     async def _pin_on(self, group: Sequence[WorkerRecord], model: str, replicas: int) -> list[str]:
-        pinned = [r.info.worker_id for r in group if (m := holding(r, model)) is not None and m.pinned]
+        pinned = sorted(r.info.worker_id for r in group if (m := holding(r, model)) is not None and m.pinned)
         held = [r for r in group if (m := holding(r, model)) is not None and not m.pinned]
         candidates = iter(held + loader_order(r for r in group if holding(r, model) is None))
         chosen = pinned[:replicas]

@@ -126,7 +126,8 @@ def test_provisioning_pins_a_model_on_the_asked_workers_and_then_it_is_served(la
     assert sorted(pinned) == sorted(latency.workers)
     assert all(m.pinned and m.state == scheduler_pb2.MODEL_STATE_RESIDENT for m in pinned.values())
     assert generate(latency, "chat") == sim_tokens(PROMPT, MAX_TOKENS)
-    assert provision(latency, "chat", 1) == [chosen[0]]  # already pinned: nothing to load
+    assert provision(latency, "chat", 1) == [min(chosen)]  # already pinned: nothing to load, the first by id
+    assert sorted(holders(latency, "chat")) == sorted(latency.workers)
 
 
 def test_provisioning_refuses_an_unknown_model_too_many_replicas_and_a_caller_without_the_token(
