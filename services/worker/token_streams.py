@@ -106,7 +106,7 @@ class RequestStreams:
                 yield item
         finally:
             self._forget(request_id, stream)
-            if not last and stream.opened:
+            if not last:  # also before the worker opened it: a decode reservation still waiting for its KV
                 self._on_abandoned(request_id)
 
     def _unattended(self, request_id: str, stream: _Stream) -> None:
