@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.control_plane import cpu_model, loadavg  # noqa: E402
 from services.common.errors import FailedPrecondition  # noqa: E402
 from services.common.store import ModelResidency, ModelState, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole  # noqa: E402
 from services.scheduler.model_placement import (  # noqa: E402
@@ -258,17 +258,6 @@ async def _sample_memory(cluster: Cluster, total: list[float]) -> None:
     while True:
         total[0] += sum(w.resident_bytes for w in cluster.workers.values()) * SAMPLE_S
         await asyncio.sleep(SAMPLE_S)
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def parse_args() -> argparse.Namespace:
