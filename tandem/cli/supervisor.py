@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +25,40 @@ _POLL_S = 0.2
 _WATCH_S = 0.5
 _LOG_TAIL_LINES = 30
 _MAX_DOUBLINGS = 64  # 2**64 times any first delay is past every cap: no float overflow
+
+
+class StopRequest:
+    """Ctrl-C or SIGTERM, set from a signal handler and waited for by the main thread.
+
+    Not a threading.Event: its set() takes the lock its wait() holds around each wake-up, so a
+    signal landing there (the handler runs on the main thread) deadlocks `tandem up` for good.
+    This is a flag and a self-pipe: set() takes no lock, wait() sleeps in select() on the pipe.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        self._set = True
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of earlier wake-ups: the waiter wakes anyway
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """True once set; False when `timeout` seconds pass first."""
+        if not self._set:
+            select.select([self._read], [], [], timeout)
+        return self._set
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 class StartFailed(RuntimeError):
@@ -94,7 +128,7 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_ready(children: Sequence[Child], timeout: float, stop: threading.Event,
+def wait_ready(children: Sequence[Child], timeout: float, stop: StopRequest,
                on_ready: Callable[[Child], None] = lambda child: None) -> None:
     """Return once every child is ready, calling `on_ready` for each as it gets there. StartFailed
     when one exits or the time is up; Interrupted on `stop`."""
@@ -186,7 +220,7 @@ class Supervisor:
         for watched in self._watched:
             watched.backoff.started()
 
-    def run(self, stop: threading.Event, interval: float = _WATCH_S) -> int:
+    def run(self, stop: StopRequest, interval: float = _WATCH_S) -> int:
         """Until `stop` is set (0), or until a child fails more often in a row than the policy allows (1)."""
         while not stop.wait(interval):
             if not self.check():

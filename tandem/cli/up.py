@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from urllib.parse import quote, urlsplit
 from services.common.config import parse_count
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
-from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, Supervisor, stop_all, wait_ready
+from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, StopRequest, Supervisor, stop_all, wait_ready
 from tandem.cli.topology import scheduler_name
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -171,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop = StopRequest()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     system = LocalSystem(config, model_dir, run_dir(), token, internal_tls)
     try:
@@ -189,6 +188,7 @@ def main(args: argparse.Namespace) -> int:
         system.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop.close()
 
 
 def _precision(config: UpConfig, model_dir: Path) -> str:
@@ -255,7 +255,7 @@ class LocalSystem:
         inherited = {k: v for k, v in os.environ.items() if k not in _AUTH_VARIABLES}
         self._env = {**inherited, "PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": token}
 
-    def start(self, stop: threading.Event) -> None:
+    def start(self, stop: StopRequest) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         print(f"tandem up: starting {self._summary()}; logs in {self.logs}", file=sys.stderr, flush=True)
         redis_url = self._start_redis(stop)
@@ -263,7 +263,7 @@ class LocalSystem:
         self._start_workers(scheduler, stop)
         self._start_gateway(scheduler, stop)
 
-    def watch(self, stop: threading.Event) -> int:
+    def watch(self, stop: StopRequest) -> int:
         """Until Ctrl-C/SIGTERM (0), restarting any child that exits on its own, or until one fails
         more often in a row than --max-restarts allows (1)."""
         children = [child for tier in self.tiers for child in tier]
@@ -276,7 +276,7 @@ class LocalSystem:
         workers = ", ".join(f"{n} {role}" for role, n in self.config.worker_counts().items())
         return f"the scheduler, workers ({workers}) and the gateway"
 
-    def _start_redis(self, stop: threading.Event) -> str | None:
+    def _start_redis(self, stop: StopRequest) -> str | None:
         if self.config.redis_url:
             self.endpoints.append(Endpoint("redis", "redis", _without_password(self.config.redis_url)))
             return self.config.redis_url
@@ -303,7 +303,7 @@ class LocalSystem:
             config.write(f"requirepass {self.token}\n")
         return path
 
-    def _start_scheduler(self, redis_url: str | None, stop: threading.Event) -> str:
+    def _start_scheduler(self, redis_url: str | None, stop: StopRequest) -> str:
         """The replicas ("scheduler", then "scheduler-1", ...); their addresses, comma-separated."""
         if redis_url:  # by environment: the URL carries the password
             self._env["TANDEM_REDIS_URL"] = redis_url
@@ -319,7 +319,7 @@ class LocalSystem:
             self._add_grpc_endpoints(child, port, metrics_port)
         return ",".join(self._address(port) for port, _ in ports)
 
-    def _start_workers(self, scheduler: str, stop: threading.Event) -> None:
+    def _start_workers(self, scheduler: str, stop: StopRequest) -> None:
         counts = self.config.worker_counts()
         total = sum(counts.values())
         threads = self.config.worker_threads
@@ -341,7 +341,7 @@ class LocalSystem:
         for child, (port, metrics_port) in zip(children, ports):
             self._add_grpc_endpoints(child, port, metrics_port)
 
-    def _start_gateway(self, scheduler: str, stop: threading.Event) -> None:
+    def _start_gateway(self, scheduler: str, stop: StopRequest) -> None:
         port = self.config.grpc_port or self._free_port()
         http_port = self.config.http_port or self._free_port()
         flags = ["--http-port", str(http_port), "--scheduler", scheduler, "--model", str(self.model_dir)]
@@ -361,7 +361,7 @@ class LocalSystem:
         ready = ready or (lambda: _serving(address, self.internal_tls))
         return Child(name, argv, self.logs / f"{name}.log", ready, env=env or {})
 
-    def _start_tier(self, children: list[Child], stop: threading.Event) -> None:
+    def _start_tier(self, children: list[Child], stop: StopRequest) -> None:
         self.tiers.append(children)
         started = time.monotonic()
         for child in children:

@@ -77,6 +77,12 @@ def holders(cluster: SimCluster, model: str) -> dict[str, scheduler_pb2.ModelRes
     return {w.info.worker_id: m for w in cluster.scheduler_stats().workers for m in w.load.models if m.name == model}
 
 
+def loaded_holders(cluster: SimCluster, model: str) -> dict[str, scheduler_pb2.ModelResidency]:
+    """holders(), once none of them is still loading the model (else empty)."""
+    held = holders(cluster, model)
+    return held if all(m.state == scheduler_pb2.MODEL_STATE_RESIDENT for m in held.values()) else {}
+
+
 def last_route(cluster: SimCluster) -> str:
     return cluster.scheduler_stats(recent_routes=1).recent_routes[-1].prefill_worker_id
 
@@ -101,8 +107,9 @@ def test_workers_register_their_catalogue_and_hold_their_primary_model(cost: Sim
 def test_cost_placement_loads_a_model_on_one_worker_and_keeps_its_requests_there(cost: SimCluster) -> None:
     assert generate(cost, "code") == sim_tokens(PROMPT, MAX_TOKENS)
     loader = last_route(cost)
-    resident = wait_until(lambda: holders(cost, "code"), "code resident in the routing map")
-    assert list(resident) == [loader] and resident[loader].state == scheduler_pb2.MODEL_STATE_RESIDENT
+    # The map learns that the load finished at the loader's next heartbeat: until then it says LOADING.
+    resident = wait_until(lambda: loaded_holders(cost, "code"), "code resident in the routing map")
+    assert list(resident) == [loader]
     for _ in range(3):  # the other worker is as idle, but does not hold the model
         assert generate(cost, "code") == sim_tokens(PROMPT, MAX_TOKENS)
         assert last_route(cost) == loader

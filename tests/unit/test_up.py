@@ -24,7 +24,7 @@ import pytest
 
 from services.common.health_cli import check
 from services.common.tls import MutualTLS
-from tandem.cli.supervisor import Backoff, Child, RestartPolicy, Supervisor, stop_all
+from tandem.cli.supervisor import Backoff, Child, RestartPolicy, StopRequest, Supervisor, stop_all
 from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
 from tests.certificates import CertificateAuthority
 from tests.waiting import wait_until
@@ -334,6 +334,26 @@ def test_endpoint_line_and_devices():
     assert Endpoint("prefill-0", "grpc", "127.0.0.1:5", 42).line() == "prefill-0   grpc    127.0.0.1:5  pid 42"
     assert _devices("cpu", 2) == ["cpu", "cpu"]
     assert _devices("cuda:1", 1) == ["cuda:1"]
+
+
+def test_a_signal_handler_setting_the_stop_request_wakes_its_waiter_at_once():
+    # `tandem up` sets it from its SIGTERM handler, which runs on the main thread inside wait():
+    # a threading.Event deadlocks there when the signal lands while wait() holds the Event's lock.
+    stop = StopRequest()
+    previous = signal.signal(signal.SIGALRM, lambda *_: stop.set())
+    try:
+        assert not stop.wait(0.01) and not stop.is_set()
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        started = time.monotonic()
+        assert stop.wait(60) and stop.is_set()
+        assert time.monotonic() - started < 30  # woken by the handler, not by the timeout
+        for _ in range(100_000):  # set() never blocks, however many wake-ups are pending
+            stop.set()
+        assert stop.wait(60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        stop.close()
 
 
 def test_auto_devices_round_robin_over_visible_gpus(monkeypatch):
