@@ -180,9 +180,10 @@ class WorkerLoads:
         """Requests generating (or about to) on the decode or colocated worker."""
         return self.generating.get(worker_id, 0)
 
+    def reserves_on(self, worker_id: str) -> bool:
+        """Whether requests in flight hold a reservation on the decode worker."""
+        return worker_id in self.reservations
+
     def reserved_since(self, worker_id: str, since: float) -> int:
         """Blocks reserved on the decode worker after `since` (its last report), for requests still in flight."""
-        reservations = self.reservations.get(worker_id)
-        if not reservations:  # most workers, on every route (a generator each cost a tenth of the routing)
-            return 0
-        return sum(blocks for at, blocks in reservations if at > since)
+        return sum(blocks for at, blocks in self.reservations.get(worker_id, ()) if at > since)

@@ -84,7 +84,7 @@ def room(registry: WorkerRegistry, inflight: InflightTable, request: scheduler_p
     if generators[0].info.role == WorkerRole.COLOCATED:
         return Room.NOW
     loads = inflight.loads()
-    if any(_candidate(registry, loads, r).free_blocks >= blocks_for(num_tokens, r.info.block_size)
+    if any(_free_blocks(registry, loads, r) >= blocks_for(num_tokens, r.info.block_size)
            for r in generators):
         return Room.NOW
     return Room.LATER
@@ -202,15 +202,17 @@ async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.Submi
 def _candidate(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord,
                cached_blocks: int = 0) -> Candidate:
     worker_id = record.info.worker_id
-    reported_at = registry.last_seen(worker_id) or 0.0
-    return Candidate(
-        worker_id=worker_id,
-        block_size=record.info.block_size,
-        free_blocks=registry.free_blocks(record) - loads.reserved_since(worker_id, reported_at),
-        running=loads.running(worker_id),
-        queued_prefill_tokens=loads.queued_prefill_tokens(worker_id),
-        cached_blocks=cached_blocks,
-    )
+    return Candidate(worker_id, record.info.block_size, _free_blocks(registry, loads, record),
+                     loads.running(worker_id), loads.queued_prefill_tokens(worker_id), cached_blocks)
+
+
+def _free_blocks(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord) -> int:
+    """The worker's free KV blocks at its last report, less those this scheduler reserved there since."""
+    worker_id = record.info.worker_id
+    free = registry.free_blocks(record)
+    if not loads.reserves_on(worker_id):  # most workers, on every route
+        return free
+    return free - loads.reserved_since(worker_id, registry.last_seen(worker_id) or 0.0)
 
 
 def _no_worker_message(model: str, live: list[WorkerRecord], prefill: list[WorkerRecord]) -> str:
