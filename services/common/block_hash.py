@@ -1,7 +1,8 @@
 """The block-hash chain of the prefix cache: one definition for the scheduler and the runtime.
 
-A block's hash covers its parent's hash, its token ids and its extra keys (the tenant salt on
-the first block), so equal hashes mean equal prefixes. Torch-free on purpose.
+A block's hash covers its parent's hash, its token ids and its extra keys (the served model, the
+tenant salt and the LoRA adapter, on the first block), so equal hashes mean equal prefixes of one
+model's KV. Torch-free on purpose.
 """
 
 from __future__ import annotations
@@ -36,32 +37,37 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra_keys: tupl
     return BlockHash(digest.hexdigest())
 
 
-def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "", adapter: str = "") -> list[BlockHash]:
+def hash_chain(token_ids: Sequence[int], block_size: int, salt: str = "", adapter: str = "",
+               model: str = "") -> list[BlockHash]:
     """The hashes of every full block of `token_ids`; a trailing partial block has none.
 
-    Block i is chained on block i-1. A non-empty `salt` (the tenant's) and `adapter` (a LoRA
-    adapter's name) are extra keys of the first block only: through the chain they separate
-    every later block as well, so no block is shared across tenants or adapters.
+    Block i is chained on block i-1. A non-empty `model` (the served model's name), `salt` (the
+    tenant's) and `adapter` (a LoRA adapter's name) are extra keys of the first block only: through
+    the chain they separate every later block as well, so no block is shared across models,
+    tenants or adapters. Workers pass the name they serve the model under, and the scheduler the
+    name the request resolves to on the worker, so both compute the same chain.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_next_block(parent, token_ids[start : start + block_size], salt, adapter)
+        parent = hash_next_block(parent, token_ids[start : start + block_size], salt, adapter, model)
         hashes.append(parent)
     return hashes
 
 
-def hash_next_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "", adapter: str = "") -> BlockHash:
-    """One link of `hash_chain`: salt and adapter are extra keys of the first block (no parent) only.
+def hash_next_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "", adapter: str = "",
+                    model: str = "") -> BlockHash:
+    """One link of `hash_chain`: model, salt and adapter are extra keys of the first block (no parent) only.
 
-    The keys' count tells them apart: (salt,), ("lora", adapter) or (salt, "lora", adapter), and a
-    chain with neither keeps the hashes it always had.
+    Each non-empty one enters as a (tag, value) pair in a fixed order, so no two different
+    (model, salt, adapter) give the same keys, and a chain with none keeps the hashes it always had.
     """
     if parent is not None:
         return hash_block(parent, tokens)
-    return hash_block(None, tokens, ((salt,) if salt else ()) + (("lora", adapter) if adapter else ()))
+    tagged = (("model", model), ("salt", salt), ("lora", adapter))
+    return hash_block(None, tokens, tuple(part for tag, value in tagged if value for part in (tag, value)))
 
 
 def _encode_parent(parent: BlockHash | None) -> bytes:

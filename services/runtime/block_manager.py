@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, OrderedDict
 
-from services.common.block_hash import BlockHash, hash_chain
+from services.common.block_hash import BlockHash, hash_chain, hash_next_block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,13 +29,17 @@ class BlockManager:
 
     A request's protocol: `match_prefix` -> `acquire` the hits -> `allocate` the rest (check
     `can_allocate` after acquiring: a hit on a cached block takes it out of the evictable pool)
-    -> `commit` each block as it fills -> `release` all of them when the request ends.
+    -> `commit` each block as it fills (under `hash_next`) -> `release` all of them when the request ends.
+
+    `model` is the served name of the model whose KV the blocks hold ("" for an engine serving no
+    name, in-process): the first key of every hash chain here, so no two models share a block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, model: str = "") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be at least 1")
         self.num_blocks = num_blocks
+        self.model = model
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self._ref = [0] * num_blocks
@@ -96,11 +100,15 @@ class BlockManager:
     def match_tokens(self, token_ids: list[int], num_blocks: int, salt: str = "",
                      lora: str = "") -> tuple[list[int], list[BlockHash]]:
         """`match_prefix` over the first `num_blocks` full blocks of `token_ids` (their hash chain under
-        `salt` and `lora`): the hit blocks, and the hashes of those hits."""
+        this model, `salt` and `lora`): the hit blocks, and the hashes of those hits."""
         size = self.block_size
-        hashes = hash_chain(token_ids[: num_blocks * size], size, salt, lora)
+        hashes = hash_chain(token_ids[: num_blocks * size], size, salt, lora, self.model)
         hits = self.match_prefix(hashes, [tuple(token_ids[i * size : (i + 1) * size]) for i in range(len(hashes))])
         return hits, hashes[: len(hits)]
+
+    def hash_next(self, parent: BlockHash | None, tokens: tuple[int, ...], salt: str = "", lora: str = "") -> BlockHash:
+        """The hash to `commit` a filled block under: the next link of `match_tokens`' chain."""
+        return hash_next_block(parent, tokens, salt, lora, self.model)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.block_hash import hash_next_block
 from services.common.blocks import ceil_div
 from services.runtime.attention import select_backend
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
@@ -45,6 +44,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     max_loras: int = 4  # LoRA adapters loaded at once (runtime/lora.py)
+    served_name: str = ""  # the model's name on a worker: its prefix cache's hash-chain key (block_manager.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,7 +91,7 @@ class Engine:
             config.block_size, config.dtype
         )
         self.cache = PagedKVCache(model.config, num_blocks, config.block_size, config.dtype, model.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache, config.served_name)
         self.counters = EngineCounters()
         self.last_work: dict[str, IterationWork] = {}  # request id -> its share of the last step
         self.scheduler = IterationScheduler(self.blocks, self.counters, SchedulerLimits(
@@ -198,7 +198,7 @@ class Engine:
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_next_block(parent, tokens, seq.salt, seq.lora)
+            block_hash = self.blocks.hash_next(parent, tokens, seq.salt, seq.lora)
             seq.block_hashes.append(block_hash)
             self.blocks.commit(seq.block_table[index], block_hash, tokens)
 

@@ -1,8 +1,8 @@
 """Routing one request: the live workers serving its model under the placement policy
-(model_placement.py), their prefix matches for its block-hash chain (tenant salt included), their
-load with this scheduler's in-flight requests on top, ranked by the router's costs, holders of the
-model first unless none has room (model_placement.prefer_holders). Colocated workers, when any are live,
-take every request.
+(model_placement.py), their prefix matches for its block-hash chain (model, tenant salt and adapter
+included), their load with this scheduler's in-flight requests on top, ranked by the router's costs,
+holders of the model first unless none has room (model_placement.prefer_holders). Colocated workers,
+when any are live, take every request.
 
 Before routing, room() tells admission whether a decode worker has room for the request's KV now
 (its prompt and first token), only later, or never (more blocks than the largest worker holds).
@@ -189,14 +189,20 @@ def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[Worker
 
 async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest,
                           workers: list[WorkerRecord]) -> dict[str, int]:
-    """Leading blocks of the prompt each worker caches, hashing the prompt once per block size."""
+    """Leading blocks of the prompt each worker caches, hashing the prompt once per block size and model."""
     matched: dict[str, int] = {}
-    for block_size in sorted({w.info.block_size for w in workers}):
-        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora)
+    for block_size, model in sorted({(w.info.block_size, _chain_model(request, w)) for w in workers}):
+        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora, model=model)
         found = await registry.match_prefix(chain)
-        matched.update({w.info.worker_id: found.get(w.info.worker_id, 0)
-                        for w in workers if w.info.block_size == block_size})
+        matched.update({w.info.worker_id: found.get(w.info.worker_id, 0) for w in workers
+                        if (w.info.block_size, _chain_model(request, w)) == (block_size, model)})
     return matched
+
+
+def _chain_model(request: scheduler_pb2.SubmitRequest, record: WorkerRecord) -> str:
+    """The model whose blocks the request would use on the worker, the first key of its hash chain:
+    the one it names, or the worker's primary for a request naming none (the worker runs it there)."""
+    return request.model or record.info.model
 
 
 def _candidate(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord,

@@ -41,8 +41,8 @@ from services.worker.transport import ChannelPool
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-# (model directory, worker config) -> the engine the worker runs
-EngineFactory = Callable[[Path, "WorkerConfig"], Awaitable[Engine]]
+# (served name, model directory, worker config) -> the engine the worker runs for that model
+EngineFactory = Callable[[str, Path, "WorkerConfig"], Awaitable[Engine]]
 
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -86,7 +86,7 @@ class WorkerConfig:
     def num_threads(self) -> int | None:
         return self.threads if self.threads is not None else (1 if self.device == "cpu" else None)
 
-    def engine_config(self, precision: Precision) -> EngineConfig:
+    def engine_config(self, precision: Precision, served_name: str = "") -> EngineConfig:
         return EngineConfig(
             kv_memory_bytes=self.kv_memory,
             kv_memory_fraction=self.kv_memory_fraction,
@@ -99,6 +99,7 @@ class WorkerConfig:
             attention_backend=self.attention,
             num_threads=self.num_threads,
             max_loras=self.max_loras,
+            served_name=served_name,
         )
 
     def precision(self, model_dir: Path) -> Choice:
@@ -285,15 +286,15 @@ async def open_server(config: WorkerConfig, spec: RoleSpec, servicer: WorkerServ
     return server
 
 
-async def load_engine(model_dir: Path, config: WorkerConfig) -> Engine:
-    """The model's engine in the chosen precision, loaded in a thread of its own."""
-    return await _in_own_thread(_build_engine, model_dir, config)
+async def load_engine(name: str, model_dir: Path, config: WorkerConfig) -> Engine:
+    """The engine of the model served as `name`, in the chosen precision, loaded in a thread of its own."""
+    return await _in_own_thread(_build_engine, name, model_dir, config)
 
 
-def _build_engine(model_dir: Path, config: WorkerConfig) -> Engine:
+def _build_engine(name: str, model_dir: Path, config: WorkerConfig) -> Engine:
     choice = config.precision(model_dir)
     log.info("precision %s", choice.line())
-    return Engine.from_model_dir(model_dir, config.engine_config(choice.precision), lora_sources(config.lora))
+    return Engine.from_model_dir(model_dir, config.engine_config(choice.precision, name), lora_sources(config.lora))
 
 
 async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Future[WorkerRuntime],
@@ -313,7 +314,7 @@ async def start_runtime(config: WorkerConfig, spec: RoleSpec, loaded: asyncio.Fu
         local_prefill=spec.local_prefill,
     )
     schedulers = [channels.get(address) for address in config.scheduler]
-    runtime = WorkerRuntime(identity, plan, lambda name: make_engine(catalogue.path(name), config), schedulers,
+    runtime = WorkerRuntime(identity, plan, lambda name: make_engine(name, catalogue.path(name), config), schedulers,
                             channels.metadata, ServiceMetrics(identity.model, address),
                             report_blocks=spec.report_blocks)
     loaded.set_result(runtime)

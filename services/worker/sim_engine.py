@@ -64,10 +64,11 @@ class SimEngine(Engine):
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, num_blocks: int, timing: SimTiming,
-                      max_batched_tokens: int = 2048, max_seqs: int = 64, chunk_size: int = 512) -> SimEngine:
+                      max_batched_tokens: int = 2048, max_seqs: int = 64, chunk_size: int = 512,
+                      served_name: str = "") -> SimEngine:
         """Reads only the model's config.json: no weights are loaded."""
         config = EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=max_batched_tokens,
-                              max_num_seqs=max_seqs, chunk_size=chunk_size)
+                              max_num_seqs=max_seqs, chunk_size=chunk_size, served_name=served_name)
         return cls(ModelConfig.from_model_dir(model_dir), config, timing)
 
 

@@ -120,10 +120,10 @@ def worker_configs(sim: SimConfig, base: WorkerConfig) -> list[WorkerConfig]:
 
 
 def engine_factory(sim: SimConfig) -> EngineFactory:
-    async def make(model_dir: Path, config: WorkerConfig) -> SimEngine:
+    async def make(name: str, model_dir: Path, config: WorkerConfig) -> SimEngine:
         await asyncio.sleep(sim.load_ms / 1000)
         return SimEngine.for_model_dir(model_dir, sim.kv_blocks, sim.timing, config.max_batched_tokens,
-                                       sim.max_seqs, config.chunk_size)
+                                       sim.max_seqs, config.chunk_size, served_name=name)
 
     return make
 

@@ -1,4 +1,4 @@
-"""The block-hash chain: deterministic, chained on the parent, salted on the first block only."""
+"""The block-hash chain: deterministic, chained on the parent, keyed by model, salt and adapter on the first block only."""
 
 import hashlib
 import struct
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.block_hash import hash_block, hash_chain
+from services.common.block_hash import hash_block, hash_chain, hash_next_block
 
 
 def test_hash_is_32_hex_chars_of_blake2b_over_the_documented_encoding():
@@ -50,11 +50,40 @@ def test_chain_has_full_blocks_only_each_chained_on_its_parent():
 
 def test_salt_is_an_extra_key_of_the_first_block_only():
     chain = hash_chain(list(range(8)), block_size=4, salt="tenant-a")
-    assert chain[0] == hash_block(None, [0, 1, 2, 3], ("tenant-a",))
+    assert chain[0] == hash_block(None, [0, 1, 2, 3], ("salt", "tenant-a"))
     assert chain[1] == hash_block(chain[0], [4, 5, 6, 7])
     unsalted = hash_chain(list(range(8)), block_size=4)
     assert set(chain).isdisjoint(unsalted)
     assert set(chain).isdisjoint(hash_chain(list(range(8)), block_size=4, salt="tenant-b"))
+
+
+def test_the_model_keys_the_first_block_so_two_models_share_no_block():
+    tokens = list(range(12))
+    smol = hash_chain(tokens, block_size=4, model="smol")
+    assert smol[0] == hash_block(None, [0, 1, 2, 3], ("model", "smol"))
+    assert smol[1:] == [hash_block(smol[0], [4, 5, 6, 7]), hash_block(smol[1], [8, 9, 10, 11])]
+    other = hash_chain(tokens, block_size=4, model="smol-b")
+    assert set(smol).isdisjoint(other) and set(smol).isdisjoint(hash_chain(tokens, block_size=4))
+    assert hash_chain(tokens, block_size=4, model="smol") == smol  # deterministic: a worker and the scheduler agree
+    everything = hash_chain(tokens, block_size=4, salt="t", adapter="a", model="smol")
+    assert everything[0] == hash_block(None, [0, 1, 2, 3], ("model", "smol", "salt", "t", "lora", "a"))
+
+
+def test_the_next_block_continues_the_chain_of_the_same_keys():
+    tokens = list(range(8))
+    chain = hash_chain(tokens, block_size=4, salt="t", adapter="a", model="m")
+    first = hash_next_block(None, tokens[:4], "t", "a", "m")
+    assert [first, hash_next_block(first, tokens[4:], "t", "a", "m")] == chain
+    assert hash_next_block(first, tokens[4:]) == chain[1]  # later blocks take their keys from the parent only
+
+
+def test_tagged_keys_keep_every_model_salt_and_adapter_apart():
+    """Swapping values between the fields, or empty against missing, never gives the same first block."""
+    combos = [(model, salt, adapter) for model in ("", "model", "lora") for salt in ("", "model", "lora")
+              for adapter in ("", "model", "salt")]
+    firsts = {hash_chain([1, 2], block_size=2, salt=salt, adapter=adapter, model=model)[0]
+              for model, salt, adapter in combos}
+    assert len(firsts) == len(combos) == 27
 
 
 def test_bad_inputs_name_the_problem():

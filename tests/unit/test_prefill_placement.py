@@ -140,7 +140,7 @@ async def test_a_short_prompt_runs_on_the_hybrid_decode_worker_a_long_one_on_the
 async def test_the_decode_workers_prefix_hit_shortens_the_prompt_it_would_prefill() -> None:
     registry = await registry_with(PREFILL, HYBRID)
     prompt = list(range(500, 500 + 5 * BLOCK + 3))  # 83 tokens: too long for the rule without a hit
-    await registry.report_blocks("d-0", hash_chain(prompt, BLOCK)[:4], [])
+    await registry.report_blocks("d-0", hash_chain(prompt, BLOCK, model="smol")[:4], [])
     plan = await plan_route(registry, InflightTable(), submit(prompt), short_rule())
     assert plan.colocated and plan.prefill == [Score("d-0", 19.0, cached_blocks=4, free_blocks=1000)]
     assert plan.placement.inputs == inputs(19)

@@ -1,5 +1,5 @@
-"""Routing: exact prefill costs and choices on crafted loads and prefix matches, tenant salts kept
-apart through the block-hash chain, decode choice by free blocks (minus fresh reservations) then
+"""Routing: exact prefill costs and choices on crafted loads and prefix matches, tenant salts and
+models kept apart through the block-hash chain, decode choice by free blocks (minus fresh reservations) then
 running requests, and degraded routing without prefix hits."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from services.common.block_hash import hash_chain
-from services.common.store import EmbeddedStore, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from services.common.store import EmbeddedStore, ModelResidency, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.planner import plan_route
@@ -94,7 +94,7 @@ async def test_prefix_hits_route_to_the_caching_worker_and_salts_never_share() -
     registry = await registry_with(record("p-0", WorkerRole.PREFILL), record("p-1", WorkerRole.PREFILL),
                                    record("d-0", WorkerRole.DECODE))
     prompt = list(range(300, 300 + 5 * BLOCK + 3))  # five full blocks and three tokens
-    await registry.report_blocks("p-1", hash_chain(prompt, BLOCK, salt="tenant-a")[:4], [])
+    await registry.report_blocks("p-1", hash_chain(prompt, BLOCK, salt="tenant-a", model="smol")[:4], [])
 
     plan = await plan_route(registry, InflightTable(), submit(prompt, salt="tenant-a"))
     assert plan.prefill == [Score("p-1", 83.0 - 64, cached_blocks=4), Score("p-0", 83.0)]
@@ -137,10 +137,30 @@ async def test_degraded_store_routes_without_prefix_hits() -> None:
     registry = await registry_with(record("p-0", WorkerRole.PREFILL), record("p-1", WorkerRole.PREFILL),
                                    record("d-0", WorkerRole.DECODE))
     prompt = list(range(64))
-    await registry.report_blocks("p-1", hash_chain(prompt, BLOCK), [])
+    await registry.report_blocks("p-1", hash_chain(prompt, BLOCK, model="smol"), [])
     registry.store = FlakyStore(down=True)
     plan = await plan_route(registry, InflightTable(), submit(prompt))
     assert plan.degraded and registry.degraded
     assert plan.prefill == [Score("p-0", 64.0), Score("p-1", 64.0)]
     assert [s.worker_id for s in plan.decode] == ["d-0"]
 
+
+
+async def test_a_prefix_cached_by_one_model_earns_no_credit_for_another() -> None:
+    """The default model under two names: blocks a worker stored for 'smol-b' are no hit for 'smol',
+    nor for a request naming no model (it runs on the worker's primary, 'smol')."""
+    info = [WorkerInfo(worker_id=w, role=WorkerRole.COLOCATED, address=f"127.0.0.1:{port}", model="smol",
+                       num_blocks=1000, block_size=BLOCK, catalogue=("smol", "smol-b"))
+            for w, port in (("c-0", 40001), ("c-1", 40002))]
+    both = (ModelResidency("smol"), ModelResidency("smol-b"))  # resident on both workers
+    registry = await registry_with(*(WorkerRecord(i, WorkerLoad(free_blocks=1000, models=both)) for i in info))
+    prompt = list(range(700, 700 + 4 * BLOCK + 3))  # four full blocks and three tokens
+    await registry.report_blocks("c-1", hash_chain(prompt, BLOCK, model="smol-b"), [])
+    assert set(hash_chain(prompt, BLOCK, model="smol-b")).isdisjoint(hash_chain(prompt, BLOCK, model="smol"))
+
+    for model in ("smol", ""):
+        plan = await plan_route(registry, InflightTable(), submit(prompt, model=model))
+        assert plan.prefill == [Score("c-0", 67.0), Score("c-1", 67.0)]
+    plan = await plan_route(registry, InflightTable(), submit(prompt, model="smol-b"))
+    assert plan.prefill == [Score("c-1", 67.0 - 64, cached_blocks=4),
+                            Score("c-0", 67.0)]
