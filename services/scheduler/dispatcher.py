@@ -57,6 +57,7 @@ from services.scheduler.prefill_placement import PrefillPlacement
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import cached_tokens
 from services.scheduler.stats import Counters, Outcome, snapshot
+from services.scheduler.model_ttft import ModelTtft
 from services.scheduler.streams import TokenStreams
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2
@@ -83,6 +84,7 @@ class Dispatcher:
                                      end_attempt=self._attempt_lost, on_room=self._let_in)
         self.admission = Admission(max_queue, self.membership.capacity)
         self.counters = Counters()
+        self.ttft = ModelTtft()  # first-token times per model: cost placement's --replicate-ttft-ms
         self.streams = TokenStreams(self.on_token_batch, self.membership.lost, registry.report_blocks)
         self._launcher = Launcher(clients, self._spawn, registry, control_timeout=registry.ttl,
                                   on_lost=self._attempt_lost, deliver=self._deliver)
@@ -359,6 +361,8 @@ class Dispatcher:
             state.ending.fail(failures.from_event(state, event))
             return
         if event.output_offset == 0 and event.token_ids:
+            if state.status < Status.GENERATING and not state.migrations and state.request.model:
+                self.ttft.observe(state.request.model, (time.monotonic() - state.arrival) * 1000)
             self.inflight.advance(state, Status.GENERATING)
         if placement.decode is not None and worker_id == placement.decode.info.worker_id:
             self.inflight.advance(state, Status.DECODING)

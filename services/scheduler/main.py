@@ -47,7 +47,8 @@ class SchedulerConfig:
     generating worker is lost goes on on another one (services/scheduler/migration.py). batch_*: the
     batching policy every worker applies from its registration on (0: the worker keeps its own flag).
     placement: how models are placed on workers (services/scheduler/model_placement.py); under cost,
-    replicate_active and drop_idle_s say when a model is copied onto another worker or a copy dropped."""
+    replicate_active, replicate_ttft_ms and drop_idle_s say when a model is copied onto another worker
+    or a copy dropped."""
 
     host: str = "127.0.0.1"
     port: int = 50052
@@ -67,6 +68,7 @@ class SchedulerConfig:
     slo_context_tokens: int = 1024
     placement: ModelPlacement = ModelPlacement.COST
     replicate_active: int = 8
+    replicate_ttft_ms: float = 0.0
     drop_idle_s: float = 120.0
     local_prefill_tokens: int = 256
 
@@ -94,7 +96,8 @@ class SchedulerConfig:
 
 
     def replica_rule(self) -> ReplicaRule:
-        return ReplicaRule(hot_active=self.replicate_active, cold_idle_ms=round(self.drop_idle_s * 1000))
+        return ReplicaRule(hot_active=self.replicate_active, cold_idle_ms=round(self.drop_idle_s * 1000),
+                           hot_ttft_ms=self.replicate_ttft_ms)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--replicate-active", type=int, default=8,
                help="cost placement: copy a model onto another worker when each of its copies has this many "
                     "requests queued or running")
+    add_option(parser, "--replicate-ttft-ms", type=float, default=0.0,
+               help="cost placement: copy a model onto another worker when the p90 time to first token of its "
+                    "last 32 requests (as this scheduler saw them, at least 8) is at least this (0: off)")
     add_option(parser, "--drop-idle-s", type=float, default=120.0,
                help="cost placement: drop an unpinned copy of a model idle this long while another copy stays")
     internal_auth.add_arguments(parser)
@@ -204,8 +210,8 @@ async def serve(config: SchedulerConfig) -> None:
                  "%s placement)", config.host, server.port, store.name, config.max_queue, config.max_running,
                  config.heartbeat_ttl, "on" if config.migration else "off", config.placement)
         ready = asyncio.create_task(serve_once_store_answers(store, server))
-        balancing = (asyncio.create_task(ModelLoads(registry, clients).keep_balanced(config.replica_rule(),
-                                                                                     config.heartbeat_ttl))
+        balancing = (asyncio.create_task(ModelLoads(registry, clients).keep_balanced(
+                         config.replica_rule(), config.heartbeat_ttl, dispatcher.ttft))
                      if config.placement is ModelPlacement.COST else None)
         await server.run_until_signal()
         ready.cancel()

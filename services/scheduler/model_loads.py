@@ -19,11 +19,12 @@ import grpc
 from opentelemetry import trace
 
 from services.common.errors import NotFound, Overloaded
-from services.common.store import WorkerRecord, WorkerRole
+from services.common.store import ModelResidency, ModelState, WorkerRecord, WorkerRole
 from services.scheduler.convert import residency_from_pb
 from services.scheduler.model_placement import (
     Action, ActionKind, ReplicaRule, can_serve, holding, loader_order, rebalance,
 )
+from services.scheduler.model_ttft import ModelTtft
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import worker_pb2
@@ -62,18 +63,28 @@ class ModelLoads:
                              "model) or start more workers, then provision again")
         return chosen
 
-    async def rebalance(self, rule: ReplicaRule) -> list[Action]:
-        """One round of cost placement's copies over the live workers; returns the actions that succeeded."""
+    async def rebalance(self, rule: ReplicaRule, ttft: ModelTtft | None = None) -> list[Action]:
+        """One round of cost placement's copies over the live workers (`ttft`: the first-token times
+        this scheduler observed); returns the actions that succeeded. Each copy it orders shows in the
+        routing map as LOADING before its LoadModel call goes out, so another round, another replica
+        or a request's routing starts no second load of that model meanwhile; the model's TTFT window
+        starts afresh."""
         records = {r.info.worker_id: r for r in await self._registry.live_workers()}
-        actions = rebalance(list(records.values()), rule)
+        actions = rebalance(list(records.values()), rule, ttft.p90() if ttft is not None else None)
+        for action in actions:
+            if action.kind is ActionKind.LOAD:
+                await self._registry.record_models(action.worker_id, resident=ModelResidency(
+                    action.model, state=ModelState.LOADING))
+                if ttft is not None:
+                    ttft.forget(action.model)
         done = await asyncio.gather(*(self._apply(action, records[action.worker_id]) for action in actions))
         return [action for action, ok in zip(actions, done) if ok]
 
-    async def keep_balanced(self, rule: ReplicaRule, interval: float) -> None:
+    async def keep_balanced(self, rule: ReplicaRule, interval: float, ttft: ModelTtft | None = None) -> None:
         """rebalance() every `interval` seconds, until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            await self.rebalance(rule)
+            await self.rebalance(rule, ttft)
 
     async def _pin_on(self, group: Sequence[WorkerRecord], model: str, replicas: int) -> list[str]:
         pinned = sorted(r.info.worker_id for r in group if (m := holding(r, model)) is not None and m.pinned)
@@ -99,6 +110,8 @@ class ModelLoads:
                 metadata=self._clients.metadata(trace.get_current_span()))
         except grpc.aio.AioRpcError as error:
             log.warning("worker %s could not load %s: %s %s", worker_id, model, error.code().name, error.details())
+            if holding(record, model) is None:  # drop the LOADING entry rebalance laid; the next heartbeat says
+                await self._registry.record_models(worker_id, gone=(model,))
             return False
         await self._registry.record_models(worker_id, resident=residency_from_pb(response.model),
                                            gone=response.evicted)

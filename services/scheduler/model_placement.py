@@ -8,16 +8,17 @@ and holds its `model` alone, pinned.
 
 Routing (planner.py) ranks the workers that can serve the request's model by prefix hits and load,
 as for one model, then puts the holders first, in that order (`prefer_holders`). Only when no holder
-has room for the request (the free KV blocks of its prompt; a prefill worker always has room) does
-cost placement put a worker that would load the model first: the
-others in bin-packing order (`loader_order`): the least loaded (running plus waiting), among them
-the most free model memory, among them the one whose coldest evictable model (resident, unpinned,
-idle) has been idle longest, then by id.
+has room for the request (the free KV blocks of its prompt; a prefill worker always has room) and no
+copy is loading does cost placement put a worker that would load the model first: the others in
+bin-packing order (`loader_order`): the least loaded (running plus waiting), among them the most
+free model memory, among them the one whose coldest evictable model (resident, unpinned, idle) has
+been idle longest, then by id.
 
-Placement policies: COST serves any catalogue model (a worker loads it on demand), and the
-scheduler replicates a model whose every copy is busy and drops copies that went cold
-(`rebalance`). LATENCY serves only provisioned models (pinned on a live worker), and only from their
-holders: a request never starts a load.
+Placement policies: COST serves any catalogue model (a worker loads it on demand); the scheduler
+replicates a model whose every copy is busy or whose recent TTFT passed a threshold, one extra load
+of a model at a time, and drops copies that went cold (`rebalance`). LATENCY serves only
+provisioned models (pinned on a live worker, or a worker's primary model, loaded at start), and
+only from their holders: a request never starts a load.
 """
 
 from __future__ import annotations
@@ -40,15 +41,19 @@ class ReplicaRule:
     """When cost placement copies a model onto another worker, or drops a copy.
 
     hot_active: a model is hot when each of its copies has at least this many requests queued or
-    running (ModelResidency.active_requests). cold_idle_ms: a copy idle this long, unpinned, is
-    dropped while another copy of the model stays."""
+    running (ModelResidency.active_requests). hot_ttft_ms: a model is hot, too, when its recent time
+    to first token (the p90 the scheduler observed, model_ttft.py) is at least this (0: off).
+    cold_idle_ms: a copy idle this long, unpinned, is dropped while another copy of the model stays."""
 
     hot_active: int = 8
     cold_idle_ms: int = 120_000
+    hot_ttft_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hot_active < 1:
             raise ValueError(f"--replicate-active must be >= 1 request per copy, got {self.hot_active}")
+        if self.hot_ttft_ms < 0:
+            raise ValueError(f"--replicate-ttft-ms must be >= 0 (0: off), got {self.hot_ttft_ms:g}")
         if self.cold_idle_ms < 0:
             raise ValueError(f"--drop-idle-s must be >= 0, got {self.cold_idle_ms / 1000:g}")
 
@@ -98,8 +103,21 @@ def routing_map(records: Iterable[WorkerRecord]) -> dict[str, list[str]]:
 
 
 def provisioned(records: Iterable[WorkerRecord], model: str) -> bool:
-    """Some live worker holds the model pinned (provisioned, --pin, or a one-model worker's model)."""
-    return any((m := holding(r, model)) is not None and m.pinned for r in records)
+    """Some live worker holds the model pinned (provisioned, --pin, or a one-model worker's model) or
+    as its primary model: one loaded at start is provisioned by definition, its workers its group."""
+    return any((m := holding(r, model)) is not None and (m.pinned or r.info.model == model) for r in records)
+
+
+def loading(records: Iterable[WorkerRecord], model: str) -> bool:
+    """Some worker is loading the model (an extra copy is on its way)."""
+    return any((m := holding(r, model)) is not None and m.state is ModelState.LOADING for r in records)
+
+
+def cold_start(record: WorkerRecord, model: str) -> bool:
+    """A request for `model` ("": the worker's primary) on this worker waits for a load: no copy of it is
+    resident there."""
+    held = holding(record, model or record.info.model)
+    return held is None or held.state is ModelState.LOADING
 
 
 def serving(records: Sequence[WorkerRecord], model: str, policy: ModelPlacement) -> list[WorkerRecord]:
@@ -135,7 +153,8 @@ def loader_order(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
 def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], model: str,
                    room: Iterable[str], policy: ModelPlacement) -> list[str]:
     """`ranked` (worker ids, the router's order) reordered: the holders of `model` in that order, then
-    (COST) the others in loader_order; those others first when no holder is in `room`. An empty
+    (COST) the others in loader_order; those others first when no holder is in `room` and no copy is
+    loading (one extra load of a model at a time: a request waits for the copy on its way). An empty
     model name keeps the router's order."""
     if not model:
         return list(ranked)
@@ -143,24 +162,35 @@ def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], m
     if policy is ModelPlacement.LATENCY:
         return holders
     loaders = [r.info.worker_id for r in loader_order(records[w] for w in ranked if w not in holders)]
-    return holders + loaders if set(holders) & set(room) else loaders + holders
+    if set(holders) & set(room) or loading((records[w] for w in holders), model):
+        return holders + loaders
+    return loaders + holders
 
 
-def rebalance(records: Sequence[WorkerRecord], rule: ReplicaRule) -> list[Action]:
-    """Cost placement's copies, per role: one LOAD for each hot model (none while a copy is loading)
-    on the first worker of loader_order that can serve it, and one UNLOAD for each model with a
-    cold unpinned copy and another copy kept (its coldest such copy)."""
+def rebalance(records: Sequence[WorkerRecord], rule: ReplicaRule,
+              ttft_ms: Mapping[str, float] | None = None) -> list[Action]:
+    """Cost placement's copies, per role: one LOAD for each hot model (every copy busy, or, on the
+    workers that make first tokens, its recent TTFT `ttft_ms[model]` over the rule's; none while a
+    copy is loading: one extra load of a model at a time) on the first worker of loader_order that can serve it, and one UNLOAD for each model
+    with a cold unpinned copy and another copy kept (its coldest such copy)."""
     actions: list[Action] = []
     for role in WorkerRole:
         group = [r for r in records if r.info.role is role]
         for model in sorted(routing_map(group)):
-            actions += _replicate(group, model, rule) + _drop_cold(group, model, rule)
+            first_token = (ttft_ms or {}).get(model, 0.0) if role is not WorkerRole.DECODE else 0.0
+            hot = _hot(group, model, rule, first_token)
+            actions += (_replicate(group, model) if hot else []) + _drop_cold(group, model, rule)
     return actions
 
 
-def _replicate(group: Sequence[WorkerRecord], model: str, rule: ReplicaRule) -> list[Action]:
+def _hot(group: Sequence[WorkerRecord], model: str, rule: ReplicaRule, ttft_ms: float) -> bool:
     copies = [m for r in group if (m := holding(r, model)) is not None]
-    if any(m.state is ModelState.LOADING for m in copies) or min(m.active_requests for m in copies) < rule.hot_active:
+    return (min(m.active_requests for m in copies) >= rule.hot_active
+            or 0 < rule.hot_ttft_ms <= ttft_ms)
+
+
+def _replicate(group: Sequence[WorkerRecord], model: str) -> list[Action]:
+    if loading(group, model):
         return []
     spare = loader_order(r for r in group if can_serve(r, model) and holding(r, model) is None)
     return [Action(ActionKind.LOAD, model, spare[0].info.worker_id)] if spare else []

@@ -9,8 +9,8 @@ import pytest
 from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, ModelState, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.model_placement import (
-    Action, ActionKind, ModelPlacement, ReplicaRule, can_serve, coldest_idle_ms, loader_order, prefer_holders,
-    provisioned, rebalance, routing_map, serving,
+    Action, ActionKind, ModelPlacement, ReplicaRule, can_serve, cold_start, coldest_idle_ms, loader_order,
+    prefer_holders, provisioned, rebalance, routing_map, serving,
 )
 
 COST, LATENCY = ModelPlacement.COST, ModelPlacement.LATENCY
@@ -92,6 +92,20 @@ def test_only_when_no_holder_has_room_does_a_loader_go_first() -> None:
     assert prefer_holders(["w1", "w0", "w2"], records, "b", room=["w0", "w2"], policy=COST) == ["w2", "w0", "w1"]
 
 
+def test_while_a_copy_is_loading_no_holder_with_room_sends_the_request_to_it_not_to_another_loader() -> None:
+    records = {r.info.worker_id: r for r in (worker("w0", free_gib=8), worker("w1", resident("b")),
+                                              worker("w2", resident("b", state=ModelState.LOADING)))}
+    assert prefer_holders(["w0", "w1", "w2"], records, "b", room=["w0"], policy=COST) == ["w1", "w2", "w0"]
+    resident_only = {w: r for w, r in records.items() if w != "w2"}
+    assert prefer_holders(["w0", "w1"], resident_only, "b", room=["w0"], policy=COST) == ["w0", "w1"]
+
+
+def test_a_cold_start_is_a_request_for_a_model_not_resident_on_the_worker() -> None:
+    record = worker("w", resident("a"), resident("b", state=ModelState.LOADING))
+    assert [cold_start(record, m) for m in ("a", "", "b", "c")] == [False, False, True, True]  # "": the primary a
+    assert not cold_start(one_model("old", "smol"), "smol")
+
+
 def test_latency_placement_routes_only_to_holders_even_when_they_are_full() -> None:
     records = {r.info.worker_id: r for r in (worker("w0", free_gib=8), worker("w1", resident("b", pinned=True)))}
     assert prefer_holders(["w0", "w1"], records, "b", room=["w0"], policy=LATENCY) == ["w1"]
@@ -124,6 +138,15 @@ def test_latency_placement_serves_a_provisioned_model_from_its_holders_only() ->
     assert ids(serving([one_model("old", "smol")], "smol", LATENCY)) == ["old"]  # a one-model worker pins its model
 
 
+def test_latency_placement_serves_a_workers_primary_model_unpinned_from_the_workers_holding_it() -> None:
+    # Every worker of these loads "a" at start (WorkerInfo.model): its holders are its group, w1 evicted it.
+    records = [worker("w0", resident("a")), worker("w1", resident("b", pinned=True)), worker("w2", resident("a"))]
+    assert provisioned(records, "a")
+    assert ids(serving(records, "a", LATENCY)) == ["w0", "w2"]
+    with pytest.raises(FailedPrecondition, match="^model 'c' is not provisioned"):
+        serving([worker("w0", resident("a"), resident("c"))], "c", LATENCY)  # resident, but neither primary nor pinned
+
+
 def test_latency_placement_leaves_a_model_no_catalogue_holds_to_routing() -> None:
     assert serving([worker("w0", resident("a", pinned=True))], "zzz", LATENCY) == []
 
@@ -142,6 +165,31 @@ def test_no_copy_while_one_copy_has_headroom_or_another_is_loading() -> None:
                       worker("w2")], RULE) == []
     assert rebalance([worker("w0", resident("a", active=9)),
                       worker("w1", resident("a", state=ModelState.LOADING)), worker("w2")], RULE) == []
+
+
+TTFT_RULE = ReplicaRule(hot_active=4, cold_idle_ms=60_000, hot_ttft_ms=500.0)
+
+
+def test_a_model_whose_recent_ttft_passed_the_threshold_is_copied_though_no_copy_is_busy() -> None:
+    records = [worker("w0", resident("a", active=1)), worker("w1", resident("b")), worker("w2", free_gib=3)]
+    assert rebalance(records, TTFT_RULE, {"a": 500.0, "b": 499.9}) == [Action(ActionKind.LOAD, "a", "w2")]
+    assert rebalance(records, TTFT_RULE, {"a": 499.9}) == []
+    assert rebalance(records, TTFT_RULE) == []  # no TTFT observed yet
+    assert rebalance(records, RULE, {"a": 10_000.0}) == []  # --replicate-ttft-ms 0: off
+
+
+def test_the_ttft_trigger_copies_onto_workers_that_make_first_tokens_not_onto_decode_workers() -> None:
+    records = [worker("p0", resident("a"), role=WorkerRole.PREFILL), worker("p1", role=WorkerRole.PREFILL),
+               worker("d0", resident("a"), role=WorkerRole.DECODE), worker("d1", role=WorkerRole.DECODE)]
+    assert rebalance(records, TTFT_RULE, {"a": 900.0}) == [Action(ActionKind.LOAD, "a", "p1")]
+
+
+def test_a_hot_model_gets_one_extra_load_at_a_time_whatever_made_it_hot() -> None:
+    records = [worker("w0", resident("a", active=9)), worker("w1", resident("a", state=ModelState.LOADING)),
+               worker("w2"), worker("w3")]
+    assert rebalance(records, TTFT_RULE, {"a": 900.0}) == []
+    records[1] = worker("w1", resident("a", active=9))  # the copy is in: the next one may start
+    assert rebalance(records, TTFT_RULE, {"a": 900.0}) == [Action(ActionKind.LOAD, "a", "w2")]
 
 
 def test_copies_stay_within_the_role_of_the_busy_copies() -> None:
@@ -167,3 +215,5 @@ def test_the_replica_rule_refuses_nonsense() -> None:
         ReplicaRule(hot_active=0)
     with pytest.raises(ValueError, match="--drop-idle-s must be >= 0, got -1"):
         ReplicaRule(cold_idle_ms=-1000)
+    with pytest.raises(ValueError, match=r"--replicate-ttft-ms must be >= 0 \(0: off\), got -5"):
+        ReplicaRule(hot_ttft_ms=-5)

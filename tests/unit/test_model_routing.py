@@ -6,6 +6,7 @@ orders (ProvisionModel, cost placement's copies) against fake ModelService stubs
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -27,6 +28,7 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SchedulerServicer
 from tandem.v1 import scheduler_pb2, worker_pb2
 from tests.redis_fixture import redis_server  # noqa: F401 (fixture)
+from tests.waiting import eventually
 
 BLOCK = 16
 GIB = 1 << 30
@@ -203,6 +205,54 @@ async def test_cost_placement_copies_a_hot_model_and_drops_a_cold_copy() -> None
     assert done == [Action(ActionKind.LOAD, "chat", "c-3"), Action(ActionKind.UNLOAD, "code", "c-4")]
     assert clients.calls == [("load", "c-3", "chat", False), ("unload", "c-4", "code", False)]
     assert routing_map(await registry.live_workers()) == {"chat": ["c-1", "c-3"], "smol": ["c-4"], "code": ["c-5"]}
+
+
+class SlowModelService(FakeModelService):
+    """A ModelService whose loads wait until `done` is set (a cold start in progress)."""
+
+    def __init__(self, worker_id: str, calls: list[tuple[str, str, str, bool]], done: asyncio.Event) -> None:
+        super().__init__(worker_id, calls, set())
+        self.done = done
+
+    async def LoadModel(self, request: worker_pb2.LoadModelRequest, timeout: float,
+                        metadata: tuple) -> worker_pb2.LoadModelResponse:
+        self.calls.append(("load", self.worker_id, request.model, request.pin))
+        await self.done.wait()
+        return worker_pb2.LoadModelResponse(model=residency_to_pb(resident(request.model)))
+
+
+async def test_two_replicas_start_one_extra_load_of_a_hot_model_and_requests_wait_for_it(store: Store) -> None:
+    hot = (record("c-1", resident("chat", active=9)), record("c-2", free_gib=6), record("c-3", free_gib=4))
+    first = await registry_with(*hot, store=store)
+    second = WorkerRegistry(store, ttl=5.0)  # another scheduler replica on the same store
+    done, calls = asyncio.Event(), []
+    clients = FakeClients()
+    clients.models = lambda address: SlowModelService(f"c-{address[-1]}", calls, done)
+    rule = ReplicaRule(hot_active=8, cold_idle_ms=120_000)
+    copying = asyncio.create_task(ModelLoads(first, clients).rebalance(rule))
+    await eventually(lambda: calls == [("load", "c-2", "chat", False)], "the copy's LoadModel sent")
+    # Before c-2 reports: the routing map shows the copy LOADING, for this replica and the other.
+    for registry in (first, second):
+        records = await registry.live_workers()
+        assert routing_map(records)["chat"] == ["c-1", "c-2"]
+        assert records[1].load.models == (ModelResidency("chat", state=ModelState.LOADING),)
+    assert await ModelLoads(second, clients).rebalance(rule) == []  # no second copy: c-3 stays free
+    assert await ModelLoads(first, clients).rebalance(rule) == []
+    # c-1 has no room left: a request stays with the holders (the router's order), c-3 does not start another load.
+    await first.heartbeat("c-1", WorkerLoad(free_blocks=0, models=(resident("chat", active=9),)))
+    assert await route(first, "chat") == (["c-1", "c-2", "c-3"], [])
+    done.set()
+    assert await copying == [Action(ActionKind.LOAD, "chat", "c-2")]
+    assert calls == [("load", "c-2", "chat", False)]
+    assert (await second.live_workers())[1].load.models == (resident("chat"),)
+    await store.close()
+
+
+async def test_a_failed_copy_leaves_the_routing_map_so_the_next_round_may_try_again() -> None:
+    registry = await registry_with(record("c-1", resident("chat", active=9)), record("c-2", free_gib=6))
+    clients = FakeClients(refuse={"c-2"})
+    assert await ModelLoads(registry, clients).rebalance(ReplicaRule(hot_active=8)) == []
+    assert routing_map(await registry.live_workers()) == {"chat": ["c-1"]}
 
 
 async def test_provision_model_refuses_an_empty_name_or_negative_replicas() -> None:
