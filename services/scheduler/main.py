@@ -193,7 +193,7 @@ async def serve(config: SchedulerConfig) -> None:
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     clients = WorkerClients(config.internal_token, config.internal_tls)
-    registry = WorkerRegistry(store, config.heartbeat_ttl, listing_reuse_s=LISTING_REUSE_S if config.redis_url else 0.0,
+    registry = WorkerRegistry(store, config.heartbeat_ttl, listing_reuse_s=LISTING_REUSE_S,
                               placement=config.placement)
     dispatcher = Dispatcher(registry, clients, max_queue=config.max_queue,
                             max_running=config.max_running, migration=config.migration, metrics=metrics,

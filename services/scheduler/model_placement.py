@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import StrEnum
 
 from services.common.errors import FailedPrecondition
@@ -85,7 +86,14 @@ def residency(record: WorkerRecord) -> tuple[ModelResidency, ...]:
     """The models the worker holds or is loading; a one-model worker (no catalogue) holds its `model`, pinned."""
     if record.info.catalogue:
         return record.load.models
-    return record.load.models or (ModelResidency(record.info.model, pinned=True),)
+    return record.load.models or _pinned_primary(record.info.model)
+
+
+@lru_cache(maxsize=1024)
+def _pinned_primary(model: str) -> tuple[ModelResidency, ...]:
+    """A one-model worker's residency, built once per model name (immutable; routing asks for it per
+    worker on every request)."""
+    return (ModelResidency(model, pinned=True),)
 
 
 def holding(record: WorkerRecord, model: str) -> ModelResidency | None:
@@ -161,8 +169,9 @@ def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], m
     holders = [w for w in ranked if holding(records[w], model) is not None]
     if policy is ModelPlacement.LATENCY:
         return holders
-    loaders = [r.info.worker_id for r in loader_order(records[w] for w in ranked if w not in holders)]
-    if set(holders) & set(room) or loading((records[w] for w in holders), model):
+    held = set(holders)
+    loaders = [r.info.worker_id for r in loader_order(records[w] for w in ranked if w not in held)]
+    if held.intersection(room) or loading((records[w] for w in holders), model):
         return holders + loaders
     return loaders + holders
 

@@ -189,13 +189,16 @@ def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[Worker
 
 async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest,
                           workers: list[WorkerRecord]) -> dict[str, int]:
-    """Leading blocks of the prompt each worker caches, hashing the prompt once per block size and model."""
+    """Leading blocks of the prompt each worker caches (those caching none left out), hashing the
+    prompt once per block size and model."""
+    groups: dict[tuple[int, str], set[str]] = {}
+    for w in workers:
+        groups.setdefault((w.info.block_size, _chain_model(request, w)), set()).add(w.info.worker_id)
     matched: dict[str, int] = {}
-    for block_size, model in sorted({(w.info.block_size, _chain_model(request, w)) for w in workers}):
+    for (block_size, model), worker_ids in sorted(groups.items()):
         chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora, model=model)
         found = await registry.match_prefix(chain)
-        matched.update({w.info.worker_id: found.get(w.info.worker_id, 0) for w in workers
-                        if (w.info.block_size, _chain_model(request, w)) == (block_size, model)})
+        matched.update({w: blocks for w, blocks in found.items() if w in worker_ids})
     return matched
 
 

@@ -13,9 +13,11 @@ have routed requests to is never told to register again because the store's entr
 the scheduler was down, and it keeps routing to it through a later outage of the store. Block
 reports made while the store is down are lost.
 
-With `listing_reuse_s` (a shared Redis store), one listing of the store's workers serves the
-requests routed within that long (wall clock), this scheduler's own heartbeats and registrations
-laid over it: a listing is one round trip and a record to decode per worker, on every request.
+With `listing_reuse_s`, one listing of the store's workers serves the requests routed within that
+long (wall clock), this scheduler's own heartbeats and registrations laid over it: on Redis a listing
+is one round trip and a record to decode per worker, on every request. While a listing is reused
+and no worker heard here has lapsed, the live workers are the last answer as registrations,
+heartbeats and drops have kept it (no pass over the workers per request).
 
 A worker id belongs to the worker that registered it while that one is live: a registration
 under a live worker's id with other info (address, role, model, cache geometry) is refused with
@@ -35,6 +37,7 @@ the store, before the worker's next heartbeat says so. `model_placement` is the 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +51,7 @@ from services.scheduler.model_placement import ModelPlacement
 log = logging.getLogger(__name__)
 
 STORE_RETRY_S = 1.0
-LISTING_REUSE_S = 0.05  # how long the scheduler on a shared store reuses a listing of its workers
+LISTING_REUSE_S = 0.05  # how long the scheduler reuses a listing of its workers
 T = TypeVar("T")
 
 
@@ -72,6 +75,7 @@ class WorkerRegistry:
         self._seen: dict[str, _Seen] = {}
         self._dropped: set[str] = set()
         self._live: dict[str, WorkerRecord] = {}
+        self._lapse_at = 0.0  # clock() before which no worker heard here since the last listing lapses
         self._full: set[str] = set()
         self.degraded = False
         self._retry_at = 0.0
@@ -180,6 +184,8 @@ class WorkerRegistry:
     async def live_workers(self) -> list[WorkerRecord]:
         """The live workers ordered by id (see the module docstring); refreshes snapshot()."""
         reused = self._listing is not None and time.monotonic() - self._listing[0] < self._listing_reuse_s
+        if reused and self._clock() < self._lapse_at:
+            return list(self._live.values())  # as the rebuild below would make it: nothing lapsed since
         if reused:
             ok, listed = True, self._listing[1]
         else:
@@ -191,6 +197,9 @@ class WorkerRegistry:
             if (reused or worker_id not in records) and (seen := self._fresh(worker_id)) is not None:
                 records[worker_id] = seen.record  # a reused listing is older than this scheduler's own news
         self._live = {w: records[w] for w in sorted(records) if w not in self._dropped}
+        now = self._clock()
+        self._lapse_at = min((seen.at for seen in self._seen.values() if now - seen.at < self.ttl),
+                             default=math.inf) + self.ttl
         return list(self._live.values())
 
     def is_live(self, worker_id: str) -> bool:
