@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,16 +99,17 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
     pid = cluster.pid("gateway")
     profiler = None
     if args.profile:
+        native = ["--native"] if args.native else []
         profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
-                                     "--format", "speedscope", "--output", str(args.profile), "--rate", "200"],
+                                     "--format", "speedscope", "--output", str(args.profile), "--rate", "200", *native],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load_before, cpu_before, threads_before, started = loadavg(), cpu_seconds(pid), thread_cpu(pid), time.monotonic()
     outcome = asyncio.run(drive(cluster.http_gateway, args.requests, args))
     wall, used = time.monotonic() - started, cpu_seconds(pid) - cpu_before
     threads = {name: round(cpu - threads_before.get(name, 0.0), 3) for name, cpu in thread_cpu(pid).items()}
     if profiler is not None:
-        profiler.terminate()
-        profiler.wait(timeout=30)
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT, not on SIGTERM
+        profiler.wait(timeout=60)
     tokens = max(outcome.tokens, 1)
     return Result(requests=args.requests, failed=outcome.failed, tokens=outcome.tokens, events=outcome.events,
                   wall_s=round(wall, 2), tokens_per_s=round(outcome.tokens / wall, 1),
@@ -141,6 +143,7 @@ def main() -> int:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per chunk after the first)")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
+    parser.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC's core, ...)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ["TANDEM_STREAM_INTERVAL"] = str(args.stream_interval)  # the gateway child reads it

@@ -108,6 +108,13 @@ class ResponseShaper:
                   "finish_reason": self._finish_reason(index, chunk.finish_reason), "stop_reason": stop_reason(chunk)}
         return {**self._header(self.chunk_object_name), "choices": [choice]}
 
+    def only_text(self, index: int, chunk: Chunk) -> bool:
+        """Whether the stream chunk for `chunk` is the choice's text and nothing else that varies
+        (no finish, logprobs or prompt logprobs), so it differs from the choice's other such chunks
+        only in the text: the SSE stream sends those from a template (sse.TextTemplates)."""
+        return (chunk.finish_reason is None and chunk.prompt_logprobs is None and not self.with_logprobs
+                and bool(chunk.text))
+
     def usage_chunk(self, usages: list[common_pb2.Usage]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: no choices, the usage."""
         return {**self._header(self.chunk_object_name), "choices": [], "usage": usage_body(usages, self.n)}
@@ -186,6 +193,10 @@ class CompletionShaper(ResponseShaper):
     def _message(self, choice: Choice) -> dict[str, Any]:
         return {"text": self._echo(choice.index) + choice.text}
 
+    def only_text(self, index: int, chunk: Chunk) -> bool:
+        """Also not the choice's first chunk with echo: that one starts with the prompt's text."""
+        return super().only_text(index, chunk) and (self._echoes is None or index in self._echoed)
+
     def _delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
         echo = "" if index in self._echoed else self._echo(index)
         self._echoed.add(index)
@@ -234,6 +245,10 @@ class ChatShaper(ResponseShaper):
                  "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]}
                 for index in range(n)]
+
+    def only_text(self, index: int, chunk: Chunk) -> bool:
+        """Also not with tools: a chunk's text may then be (part of) a tool call."""
+        return super().only_text(index, chunk) and self._tools is None
 
     def _message(self, choice: Choice) -> dict[str, Any]:
         if self._tools is None:

@@ -1,0 +1,63 @@
+"""The SSE events of text-only chunks come from a per-choice template: the exact bytes the shaper's
+JSON gives, for completions and chat, with text that JSON must escape; other chunks are left to
+the JSON path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_responses import ChatShaper, CompletionShaper, ResponseShaper
+from services.gateway.output import Chunk
+from services.gateway.sse import TextTemplates, event
+from services.gateway.tools import FunctionDefinition, Tool, ToolPlan
+from tandem.v1 import common_pb2
+
+TEXTS = ["Hello", ' say "hi"\n', "back\\slash\ttab", "é 日本 🌊", "\u2028\x01", "{}[],:"]
+
+
+def token_text(token_id: int) -> str:
+    return f"<{token_id}>"
+
+
+def shapers() -> list[ResponseShaper]:
+    return [CompletionShaper("cmpl-1", 1700000000, "m", token_text, with_logprobs=False),
+            ChatShaper("chatcmpl-1", 1700000000, "m/ü", token_text, with_logprobs=False, n=2)]
+
+
+@pytest.mark.parametrize("shaper", shapers(), ids=["completion", "chat"])
+def test_a_text_chunk_is_the_event_its_json_gives(shaper: ResponseShaper) -> None:
+    templates = TextTemplates(shaper)
+    for index in (0, 1):
+        for number, text in enumerate(TEXTS):
+            chunk = Chunk([number], text)
+            sent = templates.event(index, chunk)
+            assert sent == event(shaper.chunk(index, chunk))
+            assert json.loads(sent.removeprefix(b"data: "))["choices"][0]["index"] == index
+
+
+def test_chunks_that_are_not_only_text_are_left_to_the_json() -> None:
+    shaper = CompletionShaper("cmpl-1", 0, "m", token_text, with_logprobs=False)
+    templates = TextTemplates(shaper)
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=1)
+    assert templates.event(0, Chunk([7], "")) is None
+    assert templates.event(0, Chunk([7], "end", finish_reason="length", usage=usage)) is None
+    assert templates.event(0, Chunk([7], "x", prompt_logprobs=[common_pb2.TokenLogprob(token_id=1)])) is None
+    logprobs = TextTemplates(CompletionShaper("cmpl-1", 0, "m", token_text, with_logprobs=True))
+    assert logprobs.event(0, Chunk([7], "x", logprobs=[common_pb2.TokenLogprob(token_id=7)])) is None
+
+
+def test_the_first_echoed_chunk_carries_the_prompt_then_the_template_takes_over() -> None:
+    shaper = CompletionShaper("cmpl-1", 0, "m", token_text, with_logprobs=False, echoes=["Once"])
+    templates = TextTemplates(shaper)
+    assert templates.event(0, Chunk([1], " upon")) is None
+    assert json.loads(event(shaper.chunk(0, Chunk([1], " upon"))).removeprefix(b"data: "))["choices"][0]["text"] \
+        == "Once upon"
+    assert json.loads(templates.event(0, Chunk([2], " a")).removeprefix(b"data: "))["choices"][0]["text"] == " a"
+
+
+def test_chat_with_tools_is_left_to_the_json() -> None:
+    plan = ToolPlan((Tool(type="function", function=FunctionDefinition(name="get_weather")),), "auto")
+    shaper = ChatShaper("chatcmpl-1", 0, "m", token_text, with_logprobs=False, tools=plan)
+    assert TextTemplates(shaper).event(0, Chunk([1], "Hi")) is None
