@@ -7,6 +7,10 @@ worker's block events take into the store, Redis or embedded), then sends `--req
 `--concurrency` and reports:
   - routing decisions/s (requests routed per second of the run), and the scheduler's own capacity:
     requests per second of scheduler CPU;
+  - the scheduler's fixed cost (CPU per second while the workers only heartbeat, measured for
+    IDLE_S before the run) and its marginal cost per request (the run's CPU less that fixed cost);
+    from them, the requests per second one saturated scheduler core would route (its
+    capacity: the second's CPU left after the fixed cost, over the marginal cost per request);
   - scheduler and gateway CPU per 1,000 delivered tokens (from /proc/<pid>/stat);
   - tokens/s delivered to the clients;
   - p99 added latency of routing: from the start of the scheduler's `scheduler.submit` span to the
@@ -56,6 +60,7 @@ INDEX_BATCH = 2_000  # synthetic block hashes per ReportBlocks (a Redis pipeline
 SHARED_PREFIX = 32  # tokens of the prompt a family of requests shares
 FAMILIES = 16
 REQUEST_TIMEOUT_S = 60.0
+IDLE_S = 3.0  # seconds the scheduler's fixed cost (heartbeats, its watcher) is measured for, before the run
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,9 @@ class Result:
     gateway_cpu_ms_per_1k_tokens: float
     scheduler_cpu_ms_per_request: float
     scheduler_capacity_rps: float  # requests per second of scheduler CPU
+    scheduler_idle_ms_per_s: float  # scheduler CPU per second with no requests (heartbeats, watcher)
+    scheduler_marginal_ms_per_request: float  # the run's scheduler CPU less the idle rate, per request
+    scheduler_saturated_rps: float  # (1 s - idle CPU per s) / marginal CPU per request: one core's routing rate
     sim_cpu_ms_per_1k_tokens: float
     routing_p50_ms: float
     routing_p99_ms: float
@@ -194,6 +202,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     pids.update({name: cluster.pid(name) for name in replicas})
     sims = [name for name in cluster.children if name.startswith("sim-")]
     pids.update({name: cluster.pid(name) for name in sims})
+    idle_rate = idle_cpu_rate([pids[name] for name in replicas])
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
     with profiling(args.profile, point, {name: pids[name] for name in replicas}):
         t0 = time.monotonic()
@@ -205,6 +214,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
     tokens = max(outcome.tokens, 1)
     ok = args.requests - sum(outcome.failures.values())
+    marginal_s = max(used["scheduler"] - idle_rate * wall, 0.0) / max(ok, 1)
     return Result(
         workers=point.workers, index_blocks=point.index_blocks, store=point.store, schedulers=point.schedulers,
         requests=args.requests, failed=args.requests - ok, failures=dict(outcome.failures), wall_s=round(wall, 2),
@@ -215,6 +225,9 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         gateway_cpu_ms_per_1k_tokens=round(used["gateway"] * 1e6 / tokens, 1),
         scheduler_cpu_ms_per_request=round(used["scheduler"] * 1e3 / max(ok, 1), 2),
         scheduler_capacity_rps=round(ok / used["scheduler"], 1) if used["scheduler"] else 0.0,
+        scheduler_idle_ms_per_s=round(idle_rate * 1e3, 1),
+        scheduler_marginal_ms_per_request=round(marginal_s * 1e3, 3),
+        scheduler_saturated_rps=round((1 - idle_rate) / marginal_s, 1) if marginal_s else 0.0,
         sim_cpu_ms_per_1k_tokens=round(sum(used[name] for name in sims) * 1e6 / tokens, 1),
         routing_p50_ms=round(percentile(routing, 0.50), 2),
         routing_p99_ms=round(percentile(routing, 0.99), 2),
@@ -224,6 +237,14 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         index_fill_s=round(index_fill_s, 1),
         loadavg_before=load_before, loadavg_after=loadavg(),
     )
+
+
+def idle_cpu_rate(pids: list[int]) -> float:
+    """CPU seconds per second that these processes (the scheduler replicas) spend over IDLE_S with no
+    requests in flight: the heartbeats and the watcher, their fixed cost."""
+    before, started = sum(cpu_seconds(pid) for pid in pids), time.monotonic()
+    time.sleep(IDLE_S)
+    return (sum(cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started)
 
 
 @contextmanager
@@ -370,6 +391,8 @@ def cpu_model() -> str:
 
 COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index blocks"), ("schedulers", "schedulers"),
            ("decisions_per_s", "routed/s"), ("scheduler_capacity_rps", "sched cap/s"),
+           ("scheduler_idle_ms_per_s", "sched idle ms/s"), ("scheduler_marginal_ms_per_request", "sched ms/req marginal"),
+           ("scheduler_saturated_rps", "sched saturated req/s"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
            ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"), ("loadavg_after", "loadavg"))
@@ -396,6 +419,7 @@ def plot(results: list[Result], directory: Path) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     measures = {"decisions_per_s": "routing decisions/s", "scheduler_capacity_rps": "requests per scheduler CPU-s",
+                "scheduler_saturated_rps": "requests/s one saturated scheduler core routes",
                 "scheduler_cpu_ms_per_1k_tokens": "scheduler CPU ms per 1k tokens",
                 "gateway_cpu_ms_per_1k_tokens": "gateway CPU ms per 1k tokens",
                 "tokens_per_s": "tokens/s to clients", "routing_p99_ms": "p99 routing latency (ms)"}
