@@ -1,9 +1,11 @@
-"""Outgoing calls to workers: one grpc.aio channel per worker address, kept open, and the metadata
-(W3C trace context of the request's span, internal token) every call carries, over mutual TLS when set."""
+"""Outgoing calls to workers: one grpc.aio channel per worker address, kept open with its stubs (a
+stub builds a callable per method: built once, not per call), and the metadata (W3C trace context of
+the request's span, internal token) every call carries, over mutual TLS when set."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -14,23 +16,27 @@ from services.common.tls import MutualTLS
 from services.common.tracing import inject_metadata
 from tandem.v1 import worker_pb2_grpc
 
+Stub = TypeVar("Stub")
+
+
 class WorkerClients:
     def __init__(self, internal_token: str | None = None, tls: MutualTLS | None = None) -> None:
         self._internal_token = internal_token
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[type, str], Any] = {}  # (stub class, address) -> stub on that address's channel
 
     def prefill(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
-        return worker_pb2_grpc.PrefillServiceStub(self._channel(address))
+        return self._stub(worker_pb2_grpc.PrefillServiceStub, address)
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeServiceStub:
-        return worker_pb2_grpc.DecodeServiceStub(self._channel(address))
+        return self._stub(worker_pb2_grpc.DecodeServiceStub, address)
 
     def colocated(self, address: str) -> worker_pb2_grpc.ColocatedServiceStub:
-        return worker_pb2_grpc.ColocatedServiceStub(self._channel(address))
+        return self._stub(worker_pb2_grpc.ColocatedServiceStub, address)
 
     def models(self, address: str) -> worker_pb2_grpc.ModelServiceStub:
-        return worker_pb2_grpc.ModelServiceStub(self._channel(address))
+        return self._stub(worker_pb2_grpc.ModelServiceStub, address)
 
     def metadata(self, span: trace.Span) -> tuple[tuple[str, str], ...]:
         """For a call made on behalf of the request whose span is `span` (its child on the worker)."""
@@ -42,12 +48,20 @@ class WorkerClients:
     async def forget(self, address: str) -> None:
         """Close the channel to a lost worker, so a worker restarted there gets a fresh connection."""
         channel = self._channels.pop(address, None)
+        self._stubs = {key: stub for key, stub in self._stubs.items() if key[1] != address}
         if channel is not None:
             await channel.close(grace=None)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        self._stubs = {}
         await asyncio.gather(*(channel.close(grace=None) for channel in channels))
+
+    def _stub(self, kind: type[Stub], address: str) -> Stub:
+        stub = self._stubs.get((kind, address))
+        if stub is None:
+            stub = self._stubs[(kind, address)] = kind(self._channel(address))
+        return stub
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
