@@ -8,9 +8,10 @@ call carries the request's remaining deadline, its trace context and the interna
 cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
 
 Every call is bounded: Reserve, Run, Release and Abort by the control timeout (the heartbeat TTL:
-a worker that cannot answer within it would be declared lost anyway), Prefill by the request's
-deadline. A call whose channel is closed under it (its worker was lost) fails as
-UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status, or, for a
+a worker that cannot answer within it would be declared lost anyway), but a Reserve or Run on a
+worker that must load the request's model first (a cold start, which its heartbeats go on through)
+by a model load's timeout; all of them, and Prefill, by the request's deadline. A call whose
+channel is closed under it (its worker was lost) fails as UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status, or, for a
 Prefill that found a worker unreachable, the attempt ends and the request may move on. Each call
 names the request by its current attempt's id (inflight.Placement).
 """
@@ -29,6 +30,8 @@ from services.common.errors import Overloaded, TandemError, Unavailable, grpc_st
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler import failures
 from services.scheduler.inflight import Placement, RequestState
+from services.scheduler.model_loads import LOAD_TIMEOUT_S
+from services.scheduler.model_placement import cold_start
 from services.scheduler.planner import RoutePlan
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Score
@@ -84,7 +87,8 @@ class Launcher:
             placement.holders[score.worker_id] = worker
             try:
                 response = await self._landing(state, worker, "Reserve",
-                                               self.clients.decode(worker.info.address).Reserve, request)
+                                               self.clients.decode(worker.info.address).Reserve, request,
+                                               self._bound(worker, placement.request.model))
             except TandemError as error:
                 if grpc_status(error) in _REFUSED:
                     placement.holders.pop(score.worker_id, None)
@@ -121,7 +125,8 @@ class Launcher:
                                         sampling=_sampling(state), seed=state.seed,
                                         cache_salt=placement.request.cache_salt, lora=placement.request.lora,
                                         model=placement.request.model)
-        await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request)
+        await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request,
+                            self._bound(worker, placement.request.model))
 
     def release(self, state: RequestState) -> None:
         """Free the decode reservation of a request that ended before its decode worker reported
@@ -201,20 +206,25 @@ class Launcher:
     def _metadata(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return self.clients.metadata(state.span)
 
+    def _bound(self, worker: WorkerRecord, model: str) -> float:
+        """How long a Reserve or Run may take on the worker: the control timeout, or a model load's
+        when the worker has no copy of the model resident (a cold start: the call waits for the load)."""
+        return LOAD_TIMEOUT_S if cold_start(worker, model) else self._control_timeout
+
     async def _landing(self, state: RequestState, worker: WorkerRecord, call: str,
-                       method: Callable[..., Any], request: Any) -> Any:
+                       method: Callable[..., Any], request: Any, bound: float) -> Any:
         """Make a call that creates state on a worker (Reserve, Run) so that, if the request is
-        cancelled meanwhile, the call still completes and the Abort can wait for it. Its failure
-        raises the request's TandemError."""
-        timeout = state.deadline.timeout(self._control_timeout)
+        cancelled meanwhile, the call still completes and the Abort can wait for it. It takes at most
+        `bound` seconds, or the request's deadline if that comes first. Its failure raises the
+        request's TandemError."""
+        timeout = state.deadline.timeout(bound)
         landing = state.placement.landing = asyncio.ensure_future(
             method(request, timeout=timeout, metadata=self._metadata(state)))
         landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
         try:
             return await asyncio.shield(landing)
         except grpc.aio.AioRpcError as exc:
-            raise failures.from_rpc(state, worker, call, exc,
-                                    deadline_bound=timeout < self._control_timeout) from None
+            raise failures.from_rpc(state, worker, call, exc, deadline_bound=timeout < bound) from None
         except asyncio.CancelledError:
             if failures.caller_cancelled():
                 raise

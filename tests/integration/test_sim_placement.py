@@ -2,8 +2,10 @@
 simulated colocated workers (`tandem sim-worker`) whose catalogue is the default model plus "chat"
 and "code" (the same directory under $TANDEM_HOME/models), room for two models each, a load taking
 300 ms. Cost placement loads a model on demand on one worker, the routing map shows it there, and
-later requests for it stay on that worker. Latency placement refuses a model until ProvisionModel
-pins it, then serves it from the workers holding it."""
+later requests for it stay on that worker. Latency placement serves the primary model the workers
+loaded at start, refuses another model until ProvisionModel pins it, then serves it from the workers
+holding it. A cold start that outlasts the scheduler's control-RPC timeout is waited for, and a
+request whose deadline passes meanwhile leaves the load to finish."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tandem.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 PROMPT = list(range(200, 240))
 MAX_TOKENS = 5
 MODELS = ("chat", "code")
+SLOW_LOAD_MS = 4500
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,23 @@ def latency(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
         cluster.stop()
 
 
-def generate(cluster: SimCluster, model: str) -> list[int]:
+@pytest.fixture(scope="module")
+def slow_load(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
+              default_model_dir: Path) -> Iterator[SimCluster]:
+    """Cost placement whose loads outlast the scheduler's control-RPC timeout (the heartbeat TTL, 3 s)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_SIM_LOAD_MS", str(SLOW_LOAD_MS))
+        cluster = start(tmp_path_factory, default_model_dir, "--heartbeat-ttl", "3")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def generate(cluster: SimCluster, model: str, timeout: float = 30) -> list[int]:
     with grpc.insecure_channel(cluster.gateway) as channel:
         stream = gateway_pb2_grpc.GenerateServiceStub(channel).Generate(
-            greedy_request(PROMPT, MAX_TOKENS, model=model), timeout=30)
+            greedy_request(PROMPT, MAX_TOKENS, model=model), timeout=timeout)
         token_ids, _ = collect(stream)
     return token_ids
 
@@ -126,6 +142,14 @@ def test_latency_placement_refuses_an_unprovisioned_model(latency: SimCluster) -
     assert holders(latency, "chat") == {}  # nothing was loaded for it
 
 
+def test_latency_placement_serves_the_primary_model_the_workers_loaded_at_start(latency: SimCluster,
+                                                                              default_model_dir: Path) -> None:
+    primary = default_model_dir.name
+    assert generate(latency, primary) == sim_tokens(PROMPT, MAX_TOKENS)
+    held = holders(latency, primary)
+    assert sorted(held) == sorted(latency.workers) and not any(m.pinned for m in held.values())
+
+
 def test_provisioning_pins_a_model_on_the_asked_workers_and_then_it_is_served(latency: SimCluster) -> None:
     chosen = provision(latency, "chat", 2)
     assert sorted(chosen) == sorted(latency.workers)
@@ -150,3 +174,19 @@ def test_provisioning_refuses_an_unknown_model_too_many_replicas_and_a_caller_wi
     with pytest.raises(grpc.RpcError) as anonymous:
         provision(latency, "code", 1, metadata=())
     assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_cold_start_longer_than_the_control_timeout_is_waited_for(slow_load: SimCluster) -> None:
+    assert generate(slow_load, "chat") == sim_tokens(PROMPT, MAX_TOKENS)
+    resident = wait_until(lambda: loaded_holders(slow_load, "chat"), "chat resident in the routing map")
+    assert list(resident) == [last_route(slow_load)]
+
+
+def test_a_request_whose_deadline_passes_during_a_cold_start_ends_but_the_load_goes_on(slow_load: SimCluster) -> None:
+    with pytest.raises(grpc.RpcError) as late:
+        generate(slow_load, "code", timeout=SLOW_LOAD_MS / 1000 / 2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    loader = wait_until(lambda: list(holders(slow_load, "code")), "code in the routing map")
+    assert list(wait_until(lambda: loaded_holders(slow_load, "code"), "code resident in the routing map")) == loader
+    assert generate(slow_load, "code") == sim_tokens(PROMPT, MAX_TOKENS)
+    assert last_route(slow_load) == loader[0]
