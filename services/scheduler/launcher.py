@@ -11,9 +11,10 @@ Every call is bounded: Reserve, Run, Release and Abort by the control timeout (t
 a worker that cannot answer within it would be declared lost anyway), but a Reserve or Run on a
 worker that must load the request's model first (a cold start, which its heartbeats go on through)
 by a model load's timeout; all of them, and Prefill, by the request's deadline. A call whose
-channel is closed under it (its worker was lost) fails as UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with a status, or, for a
-Prefill that found a worker unreachable, the attempt ends and the request may move on. Each call
-names the request by its current attempt's id (inflight.Placement).
+channel is closed under it (its worker was lost) fails as UNAVAILABLE, like an unreachable worker;
+whatever fails, the request ends with a status, or, for a Prefill that found a worker unreachable,
+the attempt ends and the request may move on. Each call names the request by its current
+attempt's id (inflight.Placement).
 """
 
 from __future__ import annotations
