@@ -176,3 +176,22 @@ async def test_a_reused_listing_misses_other_schedulers_news_but_never_its_own()
     registry.forget("p-1")
     assert await ids(registry) == ["d-0", "p-0"]
     assert await ids(WorkerRegistry(store, TTL, clock)) == ["d-0", "p-0", "p-1"]  # no reuse: every call lists
+
+
+
+async def test_a_reused_listing_answers_with_the_latest_heartbeats_and_drops_until_a_worker_lapses() -> None:
+    clock = FakeClock()
+    store = FlakyStore(clock)
+    registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)
+    for worker_id in ("p-0", "p-1", "p-2"):
+        await registry.register(info(worker_id), WorkerLoad())
+    assert await ids(registry) == ["p-0", "p-1", "p-2"]
+    clock.now += TTL - 1
+    assert await registry.heartbeat("p-1", WorkerLoad(free_blocks=3))
+    assert await registry.heartbeat("p-2", WorkerLoad(free_blocks=5))
+    registry.forget("p-2")
+    records = await registry.live_workers()
+    assert [(r.info.worker_id, r.load.free_blocks) for r in records] == [("p-0", 0), ("p-1", 3)]
+    clock.now += 1  # p-0 lapsed here; the reused listing still names it, until the store is listed again
+    await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
+    assert await ids(registry) == ["d-0", "p-1"]
