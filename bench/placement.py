@@ -16,7 +16,9 @@ refused requests (unprovisioned, or no worker could load the model within 30 s),
 GiB resident, integrated over the run: the cost).
 
 Run: `.venv/bin/python bench/placement.py [--models 6 --workers 2] [--skews 0,0.6,1.2] [--json]
-[--plot bench/results]`; `--models 1000 --workers 100 --rate 200` for the run at scale.
+[--plot bench/results]`; `--models 1000 --workers 100 --rate 200` for the run at scale. `--real` runs
+the same traffic through real processes instead (bench/placement_real.py): `--real --requests 60
+--rate 1 --output-tokens 8 --per-worker 3`.
 """
 
 from __future__ import annotations
@@ -280,6 +282,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replicate-active", type=int, default=8)
     parser.add_argument("--drop-idle-ms", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--real", action="store_true",
+                        help="real processes (tandem up, colocated workers, the default model under --models names) "
+                             "instead of simulated workers: --models, --workers, --requests, --rate, --output-tokens, "
+                             "--replicas, --per-worker and --seed apply")
+    parser.add_argument("--per-worker", type=int, default=3, help="--real: models' weights of each worker's memory")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--plot", type=Path, default=None, help="write PNG bars of each measure into this folder")
     return parser.parse_args()
@@ -287,23 +294,36 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    setup = Setup(args.models, args.workers, args.requests, args.rate, args.model_gib, args.memory_gib, args.max_seqs,
-                  args.load_ms, args.prefill_ms, args.step_ms, args.output_tokens, args.replicas, args.rebalance_ms,
-                  args.replicate_active, args.drop_idle_ms, args.seed)
-    results = [asyncio.run(run(setup, ModelPlacement(policy), float(skew)))
-               for skew in args.skews.split(",") for policy in args.policies.split(",")]
+    results = run_real_all(args) if args.real else run_simulated_all(args)
     if args.json:
-        print(json.dumps({"machine": cpu_model(), "setup": asdict(setup), "results": [asdict(r) for r in results]},
-                         indent=2))
+        print(json.dumps({"machine": cpu_model(), "real": args.real, "args": vars(args) | {"plot": str(args.plot)},
+                          "results": [asdict(r) for r in results]}, indent=2))
     else:
-        print_table(results)
+        print_table(results, "real colocated" if args.real else "simulated")
     if args.plot is not None:
-        plot(results, args.plot)
+        plot(results, args.plot, "real_" if args.real else "")
     return 0
 
 
-def print_table(results: list[Result]) -> None:
-    print(f"# {cpu_model()}; {results[0].models} models on {results[0].workers} simulated workers")
+def run_real_all(args: argparse.Namespace) -> list[Result]:
+    from bench.placement_real import RealSetup, run_real
+
+    setup = RealSetup(args.models, args.workers, args.per_worker, args.requests, args.rate, args.output_tokens,
+                      args.replicas, args.seed)
+    return [run_real(setup, ModelPlacement(policy), float(skew))
+            for skew in args.skews.split(",") for policy in args.policies.split(",")]
+
+
+def run_simulated_all(args: argparse.Namespace) -> list[Result]:
+    setup = Setup(args.models, args.workers, args.requests, args.rate, args.model_gib, args.memory_gib, args.max_seqs,
+                  args.load_ms, args.prefill_ms, args.step_ms, args.output_tokens, args.replicas, args.rebalance_ms,
+                  args.replicate_active, args.drop_idle_ms, args.seed)
+    return [asyncio.run(run(setup, ModelPlacement(policy), float(skew)))
+            for skew in args.skews.split(",") for policy in args.policies.split(",")]
+
+
+def print_table(results: list[Result], kind: str) -> None:
+    print(f"# {cpu_model()}; {results[0].models} models on {results[0].workers} {kind} workers")
     print("| policy | skew | cold starts | refused | loads | TTFT p50 ms | TTFT p99 ms | tokens/s | GiB-s | load avg |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -311,8 +331,8 @@ def print_table(results: list[Result]) -> None:
               f"{r.ttft_p99_ms:g} | {r.tokens_per_s:g} | {r.memory_gib_s:g} | {r.loadavg} |")
 
 
-def plot(results: list[Result], directory: Path) -> None:
-    """One PNG per measure: a bar per policy at each skew."""
+def plot(results: list[Result], directory: Path, prefix: str = "") -> None:
+    """One PNG per measure (bench/results/placement_{prefix}MEASURE_{M}m_{W}w.png): a bar per policy at each skew."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,10 +353,12 @@ def plot(results: list[Result], directory: Path) -> None:
                      [values.get(s, 0) for s in skews], width * 0.6, label=policy)
         axes.set_xticks(range(len(skews)), [f"skew {s:g}" for s in skews])
         axes.set_ylabel(label)
-        axes.set_title(f"{label}: {results[0].models} models, {results[0].workers} workers ({cpu_model()})", fontsize=7)
+        kind = "real" if prefix else "simulated"
+        axes.set_title(f"{label}: {results[0].models} models, {results[0].workers} {kind} workers ({cpu_model()})",
+                       fontsize=7)
         axes.legend()
         figure.tight_layout()
-        figure.savefig(directory / f"placement_{key}_{tag}.png", dpi=100)
+        figure.savefig(directory / f"placement_{prefix}{key}_{tag}.png", dpi=100)
         plt.close(figure)
 
 
