@@ -244,14 +244,19 @@ async def run(setup: Setup, policy: ModelPlacement, skew: float) -> Result:
         if task is not None:
             task.cancel()
     served = len(cluster.ttfts)
-    ttfts = sorted(cluster.ttfts) or [0.0]
+    p50, p99 = ttft_ms(cluster.ttfts)
     return Result(policy=str(policy), skew=skew, models=setup.models, workers=setup.workers, requests=setup.requests,
                   served=served, refused=cluster.refused, cold_start_pct=round(100 * cluster.cold / setup.requests, 1),
-                  loads=sum(w.loads for w in cluster.workers.values()) - loads_before,
-                  ttft_p50_ms=round(1000 * statistics.median(ttfts), 1),
-                  ttft_p99_ms=round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+                  loads=sum(w.loads for w in cluster.workers.values()) - loads_before, ttft_p50_ms=p50, ttft_p99_ms=p99,
                   tokens_per_s=round(served * setup.output_tokens / wall, 1),
                   memory_gib_s=round(memory[0] / GIB, 1), wall_s=round(wall, 1), loadavg=loadavg())
+
+
+def ttft_ms(seconds: list[float]) -> tuple[float, float]:
+    """(p50, p99) of the served requests' times to first token, in ms (0 when none was served)."""
+    ttfts = sorted(seconds) or [0.0]
+    return (round(1000 * statistics.median(ttfts), 1),
+            round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1))
 
 
 async def _sample_memory(cluster: Cluster, total: list[float]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -30,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from bench.control_plane import loadavg
-from bench.placement import GIB, Result, zipf
+from bench.placement import GIB, Result, ttft_ms, zipf
 from services.common.model_store import default_model_dir, model_info
 from services.common.paths import tandem_home
 from services.scheduler.model_placement import ModelPlacement
@@ -117,12 +116,10 @@ async def _traffic(mesh: Mesh, setup: RealSetup, policy: ModelPlacement, skew: f
         wall = time.monotonic() - start
         sampler.cancel()
     loads = _loads(mesh) - loads_before
-    ttfts = sorted(tally.ttfts) or [0.0]
+    p50, p99 = ttft_ms(tally.ttfts)
     return Result(policy=str(policy), skew=skew, models=setup.models, workers=setup.workers, requests=setup.requests,
                   served=len(tally.ttfts), refused=tally.refused,
-                  cold_start_pct=round(100 * loads / setup.requests, 1), loads=loads,
-                  ttft_p50_ms=round(1000 * statistics.median(ttfts), 1),
-                  ttft_p99_ms=round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+                  cold_start_pct=round(100 * loads / setup.requests, 1), loads=loads, ttft_p50_ms=p50, ttft_p99_ms=p99,
                   tokens_per_s=round(tally.tokens / wall, 1), memory_gib_s=round(memory[0] / GIB, 1),
                   wall_s=round(wall, 1), loadavg=loadavg())
 
