@@ -10,7 +10,6 @@ and a decode worker refuses KV computed by another model or adapter than its res
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tests.integration.test_workers import (
     tokens_of,
     wait_serving,
 )
+from tests.tiny_models import build_tiny
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -39,26 +39,14 @@ DEFAULT = "SmolLM2-135M-Instruct"
 TINY = "TinyLlama-Random"
 DEFAULT_WEIGHT_BYTES = 134_515_008 * 4  # fp32, lm_head tied (tests/unit/test_model_store.py)
 MAX_TOKENS = 12
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RESIDENT = scheduler_pb2.MODEL_STATE_RESIDENT
 
 
 def build_tiny_llama(default_model_dir: Path, out: Path) -> Path:
     """A 2-layer Llama with random weights (seeded) and the default model's tokenizer, as safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    base = json.loads((default_model_dir / "config.json").read_text())
-    config = LlamaConfig(vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=base["bos_token_id"], eos_token_id=base["eos_token_id"],
-                         pad_token_id=base["pad_token_id"], tie_word_embeddings=True,
-                         initializer_range=0.5)  # logits far apart: no near-ties in greedy decoding
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_model_dir / name, out / name)
-    return out
+    return build_tiny(default_model_dir, out, "LlamaConfig", hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, initializer_range=0.5)  # logits far apart: no near-ties
 
 
 @dataclass
@@ -167,9 +155,11 @@ def test_cold_start_evicts_the_idle_model_and_serves_exact_tokens(shared, prompt
     assert tiny_tokens != default_tokens
     shared.wait_resident([(TINY, RESIDENT, False)])
     assert shared.load().free_model_memory_bytes == DEFAULT_WEIGHT_BYTES - shared.tiny_bytes
-    # The default model's blocks left the index with it; the tiny model's prompt hashes the same
-    # (block hashes do not name the model), so the same chain is held again, by the tiny model.
+    # The default model's blocks left the index with it; the tiny model stored the same prompt under
+    # other hashes (the served model keys the chain), so it holds none of the default model's blocks.
     assert any(set(r.evicted) >= default_blocks for r in shared.recorder.block_reports)
+    tiny_blocks = shared.recorder.wait(lambda: cache_index(reports), 10, "the tiny model's blocks reported")
+    assert tiny_blocks.isdisjoint(default_blocks)
 
     again = shared.run("reload-default", prompts[1])
     assert_matches(again, references[DEFAULT][1], "default model, reloaded")
