@@ -3,6 +3,10 @@ the disaggregated and colocated flows, placements, reservations, queue limits, a
 worker loss (token stream broken, heartbeat lapsed) and continuations, the degraded store, and
 `tandem scheduler` + `tandem health`.
 
+Liveness runs on a FakeClock: a worker lapses, and the degraded store is tried again, only when a
+test advances it, so a loaded machine that starves this process cannot lapse a worker. The fake
+workers heartbeat only when a test says (`heartbeat()`).
+
 The scheduler carries no tokens: Submit answers with the request's Placement and ends OK when the
 worker reports the final event (or says AttemptLost when its worker is lost; the test then acts as
 the gateway and submits the continuation). A fake worker generates token i = 1000 + i, like a
@@ -36,12 +40,13 @@ from services.common.wire import DEFAULT_MAX_TOKENS
 from services.scheduler import dispatcher as dispatcher_module
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.registry import WorkerRegistry
+from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
 from services.scheduler.main import SchedulerConfig, batch_policy
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.redis_store import RedisStore
+from tests.clock import FakeClock
 from tests.flaky_store import FlakyStore
 from tests.redis_fixture import RedisServer, free_port, private_redis  # noqa: F401 (fixture)
 from tests.waiting import DEADLINE_S, eventually, eventually_async
@@ -51,6 +56,7 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_METADATA = ((INTERNAL_TOKEN_KEY, TOKEN), ("traceparent", f"00-{TRACE_ID}-b7ad6b7169203331-01"))
 MODEL = "smol"
 LENGTH = common_pb2.FINISH_REASON_LENGTH
+WATCH_S = 0.05  # real seconds between the watcher's looks at the (fake) clock
 ROLES = {"p": common_pb2.WORKER_ROLE_PREFILL, "d": common_pb2.WORKER_ROLE_DECODE,
          "c": common_pb2.WORKER_ROLE_COLOCATED}
 
@@ -105,7 +111,6 @@ class FakeWorker:
                                         address=self.address, model=MODEL, num_blocks=self.num_blocks, block_size=16,
                                         load=scheduler_pb2.WorkerLoad(free_blocks=self.free_blocks))
         await self.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
-        self.heartbeats = asyncio.create_task(self._heartbeats())
 
     def report(self, *events: scheduler_pb2.TokenEvent) -> None:
         self.batches.put_nowait(scheduler_pb2.TokenBatch(worker_id=self.worker_id, events=events))
@@ -117,12 +122,10 @@ class FakeWorker:
 
     async def kill(self) -> None:
         """As SIGKILL looks to the scheduler: the token stream breaks, the server goes away."""
-        self.heartbeats.cancel()
         self.stream.cancel()
         await self.server.stop(0)
 
     async def close(self) -> None:
-        self.heartbeats.cancel()
         self.stream.cancel()
         await self.channel.close()
         await self.server.stop(0)
@@ -130,11 +133,6 @@ class FakeWorker:
     async def _batches(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:
         while True:
             yield await self.batches.get()
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.mesh.ttl / 4)
-            await self.heartbeat()
 
     def _record(self, method: str, request, context) -> None:
         self.calls.append(Call(self.worker_id, method, request, dict(context.invocation_metadata())))
@@ -211,6 +209,7 @@ class Mesh:
     dispatcher: Dispatcher
     stub: scheduler_pb2_grpc.SchedulerServiceStub
     ttl: float
+    clock: FakeClock
     workers: dict[str, FakeWorker] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
 
@@ -228,13 +227,14 @@ class Mesh:
         request = scheduler_pb2.SubmitRequest(
             request_id=request_id, model=MODEL, token_ids=list(range(200, 200 + prompt_tokens)),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, seed=seed), **fields)
-        return self.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+        return self.stub.Submit(request, metadata=CLIENT_METADATA, timeout=DEADLINE_S)
 
     async def stats(self) -> scheduler_pb2.SchedulerStats:
         return await self.stub.Stats(scheduler_pb2.SchedulerStatsRequest(recent_routes=8), metadata=CLIENT_METADATA)
 
     async def recovered(self) -> scheduler_pb2.SchedulerStats:
-        """Stats once the scheduler is no longer degraded (it retries the store every second)."""
+        """Stats once the scheduler is no longer degraded (it retries the store STORE_RETRY_S after it
+        failed, on the mesh's clock: advance it first)."""
         async def probe() -> scheduler_pb2.SchedulerStats | None:
             stats = await self.stats()
             return None if stats.degraded else stats
@@ -251,13 +251,15 @@ class Mesh:
 
 
 @asynccontextmanager
-async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_running: int = 4,
+async def scheduler(*workers: str, ttl: float = 30.0, max_queue: int = 8, max_running: int = 4,
                     store: Store | None = None, spans: InMemorySpanExporter | None = None, migration: bool = True,
                     policy: scheduler_pb2.BatchPolicy | None = None, slo: SloPolicy | None = None,
                     **options) -> AsyncIterator[Mesh]:
     """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
-    `spans` when given."""
-    registry = WorkerRegistry(store or EmbeddedStore(), ttl)
+    `spans` when given. `ttl` is in the mesh's clock's seconds, and in real ones for the scheduler's
+    calls to workers (their control timeout)."""
+    clock = FakeClock()
+    registry = WorkerRegistry(store or EmbeddedStore(clock), ttl, clock=clock)
     tracer = setup_tracing("scheduler", exporter=spans, install_global=False).get_tracer("test") if spans else None
     dispatcher = Dispatcher(registry, WorkerClients(TOKEN), max_queue=max_queue, max_running=max_running,
                             migration=migration, tracer=tracer)
@@ -265,9 +267,10 @@ async def scheduler(*workers: str, ttl: float = 5.0, max_queue: int = 8, max_run
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id="test", policy=policy, slo=slo))
     await server.start()
-    dispatcher.start(ttl / 5)
+    dispatcher.start(WATCH_S)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    mesh = Mesh(f"127.0.0.1:{server.port}", dispatcher, scheduler_pb2_grpc.SchedulerServiceStub(channel), ttl)
+    mesh = Mesh(f"127.0.0.1:{server.port}", dispatcher, scheduler_pb2_grpc.SchedulerServiceStub(channel), ttl,
+                clock)
     try:
         for worker_id in workers:
             await mesh.add(worker_id, **options.get(worker_id, {}))
@@ -303,8 +306,13 @@ async def completes(call) -> scheduler_pb2.Placement:
 
 
 async def lost_after_kill(call, victim: FakeWorker) -> scheduler_pb2.AttemptLost:
-    """Kills `victim` once the call is placed; the call says AttemptLost at once and ends OK."""
-    await placed(call)
+    """Kills `victim` once the call is placed and its Prefill, if any, reached the prefill worker (the
+    Placement is sent while the Prefill is in flight); the call says AttemptLost at once and ends OK."""
+    placement = await placed(call)
+    if placement.prefill_worker_id:
+        prefill = victim.mesh.workers[placement.prefill_worker_id]
+        await eventually(lambda: [r for r in prefill.called("Prefill") if r.request_id == placement.attempt_id],
+                         f"{placement.prefill_worker_id} called with Prefill {placement.attempt_id}")
     await victim.kill()
     (event,) = await asyncio.wait_for(rest(call), DEADLINE_S)
     assert event.HasField("lost"), event
@@ -318,7 +326,7 @@ def continuation(mesh: Mesh, request_id: str, delivered: list[int], migration: i
         request_id=request_id, model=MODEL, token_ids=list(range(200, 200 + prompt_tokens)), cache_salt=cache_salt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling), delivered_token_ids=delivered,
         migration=migration)
-    return mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=10)
+    return mesh.stub.Submit(request, metadata=CLIENT_METADATA, timeout=DEADLINE_S)
 
 
 async def refused_to_move(call, request_id: str, delivered: int, why: str) -> None:
@@ -524,9 +532,10 @@ async def test_abort_rpc_ends_the_call_and_aborts_the_request_on_its_workers() -
 
 async def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_workers() -> None:
     async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
-        call = mesh.submit("r1", deadline_unix_ms=int(time.time() * 1000) + 300)
+        call = mesh.submit("r1", deadline_unix_ms=int(time.time() * 1000) + 2000)  # time to be placed, loaded
+        await placed(call)
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            [e async for e in call]
+            await rest(call)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await eventually(lambda: mesh.workers["d-0"].called("Abort"), 'mesh.workers["d-0"].called("Abort")')
         assert mesh.workers["d-0"].called("Abort")[0].reason == "deadline passed"
@@ -698,8 +707,9 @@ async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_
         call = mesh.submit("r1")
         assert (await placed(call)).prefill_worker_id == "p-0"
         await eventually(lambda: mesh.workers["p-0"].called("Prefill"), 'mesh.workers["p-0"].called("Prefill")')
-        await mesh.workers["p-0"].kill()
+        mesh.workers["p-0"].stream.cancel()  # heard first here; a Prefill cut first says "stopped answering"
         (lost,) = await asyncio.wait_for(rest(call), DEADLINE_S)
+        await mesh.workers["p-0"].kill()
         assert lost.lost.reason == "request r1: a worker serving it was lost; retry the request"
         placement = await completes(continuation(mesh, "r1", []))
         assert placement.route.prefill_worker_id == "p-1"
@@ -714,11 +724,13 @@ async def test_a_prefill_worker_lost_mid_transfer_frees_the_reservation_and_the_
 
 
 async def test_a_lapsed_heartbeat_ends_the_attempt_and_drops_the_worker() -> None:
-    async with scheduler("p-0", "d-0", ttl=1.0, **{"d-0": dict(hold=True)}) as mesh:
+    async with scheduler("p-0", "d-0", **{"d-0": dict(hold=True)}) as mesh:
         call = mesh.submit("r1")
         await placed(call)
-        mesh.workers["d-0"].heartbeats.cancel()
-        (lost,) = await asyncio.wait_for(rest(call), DEADLINE_S)
+        mesh.clock.advance(mesh.ttl / 2)
+        assert await mesh.workers["p-0"].heartbeat()  # d-0 sends none: it lapses first
+        mesh.clock.advance(mesh.ttl / 2)
+        (lost,) = await asyncio.wait_for(rest(call), DEADLINE_S)  # once the watcher looks
         assert (lost.lost.worker_id, lost.lost.reason) == ("d-0", "request r1: a worker serving it was lost; "
                                                                    "retry the request")
         stats = await mesh.idle()
@@ -751,7 +763,7 @@ async def test_a_reserve_cut_with_no_other_decode_worker_is_unavailable() -> Non
 
 async def test_a_reserve_a_worker_never_answers_ends_within_the_heartbeat_ttl() -> None:
     async with scheduler("p-0", "d-0", ttl=1.0, **{"d-0": dict(hold_reserve=True)}) as mesh:
-        mesh.workers["d-0"].heartbeats.cancel()  # frozen: no answer, no heartbeat
+        # d-0 stays live (the mesh's clock stands still): the Reserve's own timeout, the TTL, ends it
         with pytest.raises(grpc.aio.AioRpcError) as error:
             [e async for e in mesh.submit("r1")]
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -772,26 +784,28 @@ async def test_store_down_routes_degraded_from_the_last_known_state_and_recovers
         assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"]
 
         store.down = False
+        mesh.clock.advance(STORE_RETRY_S)  # the scheduler leaves a failed store alone that long
         await mesh.recovered()
         assert not (await completes(mesh.submit("r2"))).route.degraded
 
 
 async def test_redis_going_away_and_coming_back_empty_keeps_serving(private_redis: RedisServer) -> None:
-    store = RedisStore(private_redis.url, timeout=0.5)
+    store = RedisStore(private_redis.url, timeout=10.0)  # a killed Redis refuses at once; a slow one is no outage
     try:
-        async with scheduler("p-0", "d-0", ttl=1.0, store=store) as mesh:
+        async with scheduler("p-0", "d-0", ttl=60.0, store=store) as mesh:  # Redis expires its keys in real time
             assert not (await mesh.stats()).degraded
             private_redis.stop()
             assert (await completes(mesh.submit("during"))).route.degraded
             assert (await mesh.stats()).degraded
 
             private_redis.start()  # no persistence: it comes back empty
+            mesh.clock.advance(STORE_RETRY_S)
             stats = await mesh.recovered()
             assert [w.info.worker_id for w in stats.workers] == ["d-0", "p-0"]
-            async def refilled() -> bool:  # by the workers' next heartbeats
-                return sorted(r.info.worker_id for r in await store.list_workers()) == ["d-0", "p-0"]
-
-            await eventually_async(refilled, "the store refilled with both workers")
+            assert await store.list_workers() == []
+            for worker in mesh.workers.values():  # their next heartbeats refill it
+                assert await worker.heartbeat()
+            assert sorted(r.info.worker_id for r in await store.list_workers()) == ["d-0", "p-0"]
             assert not (await completes(mesh.submit("after"))).route.degraded
     finally:
         await store.close()
