@@ -432,7 +432,7 @@ def test_prefix_cache_hits_and_block_reports(mesh, default_model_dir):
     # The blocks were reported before Prefill returned, so the scheduler can route on them at once.
     stored = {h for r in mesh.recorder.block_reports if r.worker_id == mesh.prefill.worker_id for h in r.stored}
     full_blocks = len(first) // BLOCK_SIZE
-    assert set(hash_chain(first, BLOCK_SIZE)[:full_blocks]) <= stored
+    assert set(hash_chain(first, BLOCK_SIZE, model="SmolLM2-135M-Instruct")[:full_blocks]) <= stored
 
     common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     expected = min(common // BLOCK_SIZE, (len(second) - 1) // BLOCK_SIZE) * BLOCK_SIZE
