@@ -147,20 +147,19 @@ async def test_degraded_store_routes_without_prefix_hits() -> None:
 
 
 async def test_a_prefix_cached_by_one_model_earns_no_credit_for_another() -> None:
-    """The default model under two names: blocks a worker stored for 'smol-b' are no hit for 'smol',
-    nor for a request naming no model (it runs on the worker's primary, 'smol')."""
+    """The default model under two names: c-0 cached the prompt as 'smol', c-1 as 'smol-b'. Each
+    name credits only its own blocks; a request naming no model runs on the primary, 'smol'."""
     info = [WorkerInfo(worker_id=w, role=WorkerRole.COLOCATED, address=f"127.0.0.1:{port}", model="smol",
                        num_blocks=1000, block_size=BLOCK, catalogue=("smol", "smol-b"))
             for w, port in (("c-0", 40001), ("c-1", 40002))]
     both = (ModelResidency("smol"), ModelResidency("smol-b"))  # resident on both workers
     registry = await registry_with(*(WorkerRecord(i, WorkerLoad(free_blocks=1000, models=both)) for i in info))
     prompt = list(range(700, 700 + 4 * BLOCK + 3))  # four full blocks and three tokens
+    await registry.report_blocks("c-0", hash_chain(prompt, BLOCK, model="smol"), [])
     await registry.report_blocks("c-1", hash_chain(prompt, BLOCK, model="smol-b"), [])
-    assert set(hash_chain(prompt, BLOCK, model="smol-b")).isdisjoint(hash_chain(prompt, BLOCK, model="smol"))
 
     for model in ("smol", ""):
         plan = await plan_route(registry, InflightTable(), submit(prompt, model=model))
-        assert plan.prefill == [Score("c-0", 67.0), Score("c-1", 67.0)]
+        assert plan.prefill == [Score("c-0", 67.0 - 64, cached_blocks=4), Score("c-1", 67.0)]
     plan = await plan_route(registry, InflightTable(), submit(prompt, model="smol-b"))
-    assert plan.prefill == [Score("c-1", 67.0 - 64, cached_blocks=4),
-                            Score("c-0", 67.0)]
+    assert plan.prefill == [Score("c-1", 67.0 - 64, cached_blocks=4), Score("c-0", 67.0)]
