@@ -4,9 +4,10 @@ stream (`attach`: in order with the events, no call of their own), or sent with 
 full resend is due or under way (the changes then follow it).
 
 It mirrors the whole cache contents of each resident model's engine (stored minus evicted), so
-after registering again, or after a report was lost, it can resend everything with `reset`. Block
-hashes do not name the base model, so two models may hold the same hash: the worker holds a block
-while any model does, and a model's eviction (`drop`) reports only the blocks no other model holds.
+after registering again, or after a report was lost, it can resend everything with `reset`. The
+served model keys each hash chain, so two resident models never hold the same hash; the mirror still
+holds a hash while any model does, and a model's eviction (`drop`) reports only the blocks no other
+model holds, so a report can never drop a block that is still cached.
 """
 
 from __future__ import annotations
