@@ -5,7 +5,8 @@ and "code" (the same directory under $TANDEM_HOME/models), room for two models e
 later requests for it stay on that worker. Latency placement serves the primary model the workers
 loaded at start, refuses another model until ProvisionModel pins it, then serves it from the workers
 holding it. A cold start that outlasts the scheduler's control-RPC timeout is waited for, and a
-request whose deadline passes meanwhile leaves the load to finish."""
+request whose deadline passes meanwhile leaves the load to finish; a model whose recent TTFT passes
+--replicate-ttft-ms is copied onto the other worker."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tandem.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPT = list(range(200, 240))
 MAX_TOKENS = 5
-MODELS = ("chat", "code")
+MODELS = ("chat", "code", "hot")
 SLOW_LOAD_MS = 4500
 
 
@@ -70,10 +71,11 @@ def latency(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture(scope="module")
 def slow_load(catalogue_env: None, tmp_path_factory: pytest.TempPathFactory,
               default_model_dir: Path) -> Iterator[SimCluster]:
-    """Cost placement whose loads outlast the scheduler's control-RPC timeout (the heartbeat TTL, 3 s)."""
+    """Cost placement whose loads outlast the scheduler's control-RPC timeout (the heartbeat TTL, 3 s),
+    copying a model once the p90 TTFT of its last requests (8 at least) reaches 1 ms."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_SIM_LOAD_MS", str(SLOW_LOAD_MS))
-        cluster = start(tmp_path_factory, default_model_dir, "--heartbeat-ttl", "3")
+        cluster = start(tmp_path_factory, default_model_dir, "--heartbeat-ttl", "3", "--replicate-ttft-ms", "1")
     try:
         yield cluster
     finally:
@@ -190,3 +192,11 @@ def test_a_request_whose_deadline_passes_during_a_cold_start_ends_but_the_load_g
     assert list(wait_until(lambda: loaded_holders(slow_load, "code"), "code resident in the routing map")) == loader
     assert generate(slow_load, "code") == sim_tokens(PROMPT, MAX_TOKENS)
     assert last_route(slow_load) == loader[0]
+
+
+def test_a_model_whose_recent_ttft_passes_the_threshold_is_copied_onto_the_other_worker(slow_load: SimCluster) -> None:
+    for _ in range(8):  # the first waits for the load: the p90 of the window is that wait
+        assert generate(slow_load, "hot") == sim_tokens(PROMPT, MAX_TOKENS)
+    copies = wait_until(lambda: len(loaded_holders(slow_load, "hot")) == 2 and loaded_holders(slow_load, "hot"),
+                        "hot resident on both workers", timeout=60)
+    assert sorted(copies) == sorted(slow_load.workers)
