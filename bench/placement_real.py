@@ -9,21 +9,24 @@ provision` does: the most popular models, --replicas each, until the workers are
 for any other model is refused with FAILED_PRECONDITION). Then --requests requests arrive as a
 Poisson process at --rate per second, each naming a model drawn from the Zipf popularity (the same
 seeded draws as the simulated run) and asking for --output-tokens greedy tokens, each bounded by
-REQUEST_TIMEOUT_S. Measured at the client: TTFT (to the first token) and tokens delivered; from the
-workers' metrics: model loads during the traffic (each one a request that waited for it: the
-cold-start column counts loads per 100 requests, a lower bound of the requests that waited); from
-the scheduler's routing map, sampled every SAMPLE_S: the weight bytes resident or loading on every
-worker, integrated over the traffic (worker-memory-seconds).
+REQUEST_TIMEOUT_S. Measured at the client: TTFT (to the first token), tokens delivered and the
+status of each refused request (on stderr); from the workers' metrics: model loads during the
+traffic (each one a request that waited for it: the cold-start column counts loads per 100
+requests, a lower bound of the requests that waited); from the scheduler's routing map, sampled
+every SAMPLE_S: the weight bytes resident or loading on every worker, integrated over the traffic
+(worker-memory-seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -61,6 +64,7 @@ class Tally:
     ttfts: list[float]
     tokens: int = 0
     refused: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)  # the refused requests' status codes
 
 
 def run_real(setup: RealSetup, policy: ModelPlacement, skew: float) -> Result:
@@ -116,6 +120,8 @@ async def _traffic(mesh: Mesh, setup: RealSetup, policy: ModelPlacement, skew: f
         wall = time.monotonic() - start
         sampler.cancel()
     loads = _loads(mesh) - loads_before
+    if tally.refused:
+        print(f"{policy} placement, skew {skew:g}: refused {dict(tally.statuses)}", file=sys.stderr)
     p50, p99 = ttft_ms(tally.ttfts)
     return Result(policy=str(policy), skew=skew, models=setup.models, workers=setup.workers, requests=setup.requests,
                   served=len(tally.ttfts), refused=tally.refused,
@@ -149,8 +155,9 @@ async def _request(gateway: gateway_pb2_grpc.GenerateServiceStub, model: str, in
             if message.token_ids and first is None:
                 first = time.monotonic() - sent
             tokens += len(message.token_ids)
-    except grpc.aio.AioRpcError:
+    except grpc.aio.AioRpcError as error:
         tally.refused += 1
+        tally.statuses[error.code().name] += 1
         return
     tally.tokens += tokens
     if first is not None:
