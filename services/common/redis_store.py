@@ -16,7 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import redis.asyncio as redis
-from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
 from services.common.block_hash import BlockHash
 from services.common.store import (
@@ -79,8 +81,11 @@ class RedisStore:
     def __init__(self, url: str, *, namespace: str = "tandem", timeout: float = 1.0) -> None:
         self.url = url
         self._ns = namespace
+        # A pooled connection that a restarted Redis closed fails its next command: each command
+        # tries once more on a fresh connection (which a Redis still down refuses at once).
         self._redis = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
+            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)

@@ -186,9 +186,10 @@ async def test_redis_listing_decodes_a_record_again_only_when_it_changed(redis_s
 
 
 async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: RedisServer) -> None:
-    store = RedisStore(private_redis.url, timeout=0.5)
+    store = RedisStore(private_redis.url, timeout=10.0)  # a killed Redis refuses at once; a slow one is no outage
     try:
         await store.register_worker(info("a"), ttl=30)
+        await asyncio.gather(*(store.list_workers() for _ in range(4)))  # four pooled connections
         private_redis.stop()
         calls = [
             store.ping(), store.list_workers(), store.heartbeat("a", WorkerLoad(), 30),
@@ -199,7 +200,8 @@ async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: R
             with pytest.raises(StoreUnavailable, match=f"redis at {private_redis.url} unavailable"):
                 await call
         private_redis.start()
-        await store.ping()
+        # each connection the restart closed tries once more, on a fresh one: no call after it fails
+        assert await asyncio.gather(*(store.list_workers() for _ in range(4))) == [[]] * 4
         await store.register_worker(info("b"), ttl=30)
         assert [r.info.worker_id for r in await store.list_workers()] == ["b"], "a restarted Redis starts empty"
     finally:
