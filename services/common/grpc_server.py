@@ -119,8 +119,10 @@ def _deny(message: str) -> Behavior:
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, error: TandemError) -> None:
+    """Abort with the error's status; its trailing metadata go after those the handler set."""
     log.debug("request failed: %s: %s", type(error).__name__, error.message)
-    await context.abort(grpc_status(error), error.message, trailing_metadata=error.trailing_metadata())
+    trailing = (*(context.trailing_metadata() or ()), *error.trailing_metadata())
+    await context.abort(grpc_status(error), error.message, trailing_metadata=trailing)
 
 
 @dataclass(frozen=True, slots=True)

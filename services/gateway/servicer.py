@@ -62,7 +62,8 @@ def response_from_chunk(chunk: Chunk) -> gateway_pb2.GenerateResponse:
 
 class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     """Generate streams a request's chunks; the first response carries its request and trace ids
-    (also sent at once as `x-request-id` / `x-trace-id` initial metadata)."""
+    (also sent at once as `x-request-id` / `x-trace-id` initial metadata, and again with the status:
+    grpc's asyncio client drops initial metadata that the status overtook, as a call ended at once may)."""
 
     def __init__(self, pipeline: GenerationPipeline, default_timeout: float, tenant_salts: bool = False,
                  served_at: tuple[str, int] | None = None) -> None:
@@ -93,11 +94,11 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
             domain.served_at = self._served_at
             generation = await self._pipeline.start(domain, timeout)
         except TandemError:  # refused before any work: the id still names it (a fresh one if its own is invalid)
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_or_new(request_id)),))
+            await _send_ids(context, ((REQUEST_ID_HEADER, request_id_or_new(request_id)),))
             raise
         try:
-            await context.send_initial_metadata(
-                ((REQUEST_ID_HEADER, generation.request_id), (TRACE_ID_HEADER, generation.trace_id)))
+            await _send_ids(context, ((REQUEST_ID_HEADER, generation.request_id),
+                                      (TRACE_ID_HEADER, generation.trace_id)))
             async for response in _responses(generation):
                 yield response
         finally:
@@ -108,6 +109,12 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServiceServicer):
     ) -> gateway_pb2.ListModelsResponse:
         entries = await self._pipeline.model_entries()
         return gateway_pb2.ListModelsResponse(models=[model_card(entry) for entry in entries])
+
+
+async def _send_ids(context: grpc.aio.ServicerContext, ids: tuple[tuple[str, str], ...]) -> None:
+    """The request's ids as initial metadata now and as trailing metadata with its status."""
+    await context.send_initial_metadata(ids)
+    context.set_trailing_metadata(ids)
 
 
 async def _responses(generation: Generation) -> AsyncIterator[gateway_pb2.GenerateResponse]:

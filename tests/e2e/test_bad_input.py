@@ -145,7 +145,7 @@ def test_over_a_limit_is_invalid_argument_on_grpc_and_400_on_http_with_one_messa
     with pytest.raises(grpc.RpcError) as caught:
         list(mesh.gateway().Generate(request, metadata=GRPC_AUTH, timeout=60))
     assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-    assert dict(caught.value.initial_metadata())["x-request-id"].startswith("req-")
+    assert dict(caught.value.trailing_metadata())["x-request-id"].startswith("req-")
     assert assert_error(http.post("/v1/completions", json={"prompt": "Hi", **body}), 400, "invalid_request_error",
                         message.partition(":")[0], "invalid_request") == message
     assert queried_tokens(mesh) == before

@@ -110,7 +110,7 @@ def test_generated_requests_end_ok_or_with_a_client_status(gateway, reference, r
         return
     assert outcome.code in REFUSALS and outcome.details, (request, outcome)
     if outcome.code in NAMED_REFUSALS:
-        assert "x-request-id" in dict(error.initial_metadata() or ()), (request, outcome)
+        assert "x-request-id" in dict(error.trailing_metadata() or ()), (request, outcome)
 
 
 @budget(max_examples=40)
