@@ -40,10 +40,11 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operations as HF's LlamaRMSNorm (float32 inside), so fp32 results agree bit for bit.
+    # Same operations as HF's LlamaRMSNorm (float32 inside), so fp32 results agree bit for bit; the
+    # intermediates are updated in place (same values, fewer allocations).
     x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    scale = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return weight * (x32 * scale).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     in four operations, as `sin` comes with its first half negated (`CausalLM.sin`), so the halves
     swap by a flip: rotate_half(x) * sin = flip(x) * sin_signed, to the bit."""
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x * cos + swapped * sin
+    return (x * cos).add_(swapped.mul_(sin))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -129,16 +130,17 @@ class CausalLM:
                 lora: LoraBatch | None = None) -> torch.Tensor:
         """Runs the batch, writing its K/V into `cache`; returns logits `[len(logits_indices), vocab]`.
         `lora` adds each row's adapter update to its projections."""
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed)  # a new tensor, so the residual adds may run in place
         cos = self.cos[meta.positions].unsqueeze(1)
         sin = self.sin[meta.positions].unsqueeze(1)
+        eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(index)
             project = _Projections(layer, index, lora)
-            hidden = hidden + self._attention(rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps),
-                                              project, layer, cos, sin, k_cache, v_cache, meta)
-            hidden = hidden + self._mlp(rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps), project)
-        sampled = rms_norm(hidden[meta.logits_indices], self.final_norm, self.config.rms_norm_eps)
+            hidden += self._attention(rms_norm(hidden, layer.input_norm, eps), project, layer, cos, sin,
+                                      k_cache, v_cache, meta)
+            hidden += self._mlp(rms_norm(hidden, layer.post_norm, eps), project)
+        sampled = rms_norm(hidden[meta.logits_indices], self.final_norm, eps)
         return self.lm_head(sampled).float()
 
     def _attention(self, x, project: _Projections, layer: LayerWeights, cos, sin, k_cache, v_cache,
@@ -157,8 +159,8 @@ class CausalLM:
 
     @staticmethod
     def _mlp(x, project: _Projections):
-        gate, up = project("gate_up", x).chunk(2, dim=-1)
-        return project("down", F.silu(gate) * up)
+        gate, up = project("gate_up", x).chunk(2, dim=-1)  # views of a new tensor: updated in place
+        return project("down", F.silu(gate, inplace=True).mul_(up))
 
 
 class _Projections:
