@@ -1,7 +1,8 @@
 """Runtime benchmark: the Tandem engine against HF transformers `generate` in fp32, same model, same run.
 
 Measures decode latency at batch 1, decode throughput at batch 32, prefill throughput of one
-512-token prompt, and peak resident memory, for each precision of `--variants` (`auto` is what
+512-token prompt, one decode step's time at batch 1 and 8 (100-token prompts; `--steps-only` measures
+just that, without HF), and peak resident memory, for each precision of `--variants` (`auto` is what
 the start-up probe picks on this machine; services/runtime/precision.py); prints a table (or
 `--json`) with each variant's ratio to HF fp32. `--llama-bench PATH` adds llama.cpp's own
 `llama-bench` figures for the GGUF the default model ships as (or `--gguf FILE`).
@@ -33,6 +34,7 @@ from services.runtime.sampler import SamplingParams  # noqa: E402
 TARGETS = {"decode_b1_ms_per_token": 2.0, "decode_b32_tokens_per_s": 3.0, "prefill_tokens_per_s": 2.0}
 VARIANTS = "auto,float32,bfloat16,bfloat16+int8,bfloat16+int4"
 PREFILL_ROWS = 512
+STEP_BATCHES = (1, 8)
 
 
 def prompt(length: int, offset: int = 0) -> list[int]:
@@ -69,6 +71,31 @@ class TandemRunner:
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         self.engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+
+    def decode_step_ms(self, batch: int, steps: int) -> dict[str, float]:
+        """Median and fastest wall time of one engine step decoding `batch` sequences (100-token prompts,
+        prefilled in one step first; contexts grow from 102 to 101 + steps tokens), and the median CPU
+        time of the stepping thread: with `--threads 1` torch computes on that thread, so this figure
+        holds steady while other work loads the machine and stretches the wall times."""
+        params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            self.engine.add_request(f"step-{batch}-{i}", prompt(100, i), params)
+        self.engine.step()  # the prefill
+        self.engine.step()  # warm-up
+        times, cpu_times = [], []
+        for _ in range(steps):
+            cpu_start = time.thread_time()
+            times.append(timed(self.engine.step))
+            cpu_times.append(time.thread_time() - cpu_start)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        times.sort()
+        cpu_times.sort()
+        return {"p50": times[steps // 2] * 1000, "min": times[0] * 1000, "cpu_p50": cpu_times[steps // 2] * 1000}
+
+
+def step_times(runner: TandemRunner, steps: int) -> dict[str, dict[str, float]]:
+    return {f"decode_step_b{batch}_ms": runner.decode_step_ms(batch, steps) for batch in STEP_BATCHES}
 
 
 def measure(runner, batch32_tokens: int) -> dict[str, float]:
@@ -116,6 +143,8 @@ def main() -> int:
     parser.add_argument("--variants", default=VARIANTS, help=f"comma-separated precisions (default {VARIANTS})")
     parser.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench binary")
     parser.add_argument("--gguf", type=Path, help="the GGUF llama-bench runs; default: the one the default model ships as")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed at each of batch 1 and 8")
+    parser.add_argument("--steps-only", action="store_true", help="only the decode step times; no HF, no ratios")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,8 +152,14 @@ def main() -> int:
     result: dict[str, object] = {"threads": args.threads, "targets": TARGETS, "variants": {}}
     for variant in args.variants.split(","):
         choice = variant_choice(variant, model_dir)
-        figures = measure(TandemRunner(model_dir, choice), args.batch32_tokens)
+        runner = TandemRunner(model_dir, choice)
+        figures = {} if args.steps_only else measure(runner, args.batch32_tokens)
+        figures.update(step_times(runner, args.steps))
         result["variants"][variant] = {"precision": choice.line(), **figures}  # type: ignore[index]
+    result["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    if args.steps_only:
+        print(json.dumps(result, indent=2) if args.json else steps_table(result))
+        return 0
     # Tandem first: peak RSS is a high-water mark, so its figure excludes HF's model.
     result["peak_rss_mb_tandem"] = peak_rss_mb()
     hf = measure(HfRunner(model_dir), args.batch32_tokens)
@@ -140,6 +175,17 @@ def main() -> int:
     return 0
 
 
+def steps_table(result: dict) -> str:
+    header = "".join(f"{f'batch {b}: p50 / min / cpu p50':>32}" for b in STEP_BATCHES)
+    lines = [f"{'decode step, ms':24}{header}"]
+    for name, figures in result["variants"].items():
+        steps = [figures[f"decode_step_b{b}_ms"] for b in STEP_BATCHES]
+        lines.append(f"{name:24}" + "".join(f"{s['p50']:16.2f} / {s['min']:6.2f} / {s['cpu_p50']:6.2f}" for s in steps))
+        lines.append(f"{'':24}  = {figures['precision']}")
+    lines.append(f"threads {result['threads']}; load average {' '.join(result['loadavg'])}")
+    return "\n".join(lines)
+
+
 def print_table(result: dict) -> None:
     keys = list(TARGETS)
     print(f"{'':24}" + "".join(f"{k:>26}" for k in keys))
@@ -152,7 +198,8 @@ def print_table(result: dict) -> None:
         llama = result["llama_bench"]
         print(f"{'llama-bench':24}" + "".join(f"{llama[k]:26.1f}" if k in llama else f"{'-':>26}" for k in keys))
     print(f"{'target (auto over hf)':24}" + "".join(f"{t:25.1f}x" for t in TARGETS.values()))
-    print(f"threads {result['threads']}; peak RSS of the Tandem variants {result['peak_rss_mb_tandem']:.0f} MB")
+    print(steps_table(result))
+    print(f"peak RSS of the Tandem variants {result['peak_rss_mb_tandem']:.0f} MB")
 
 
 if __name__ == "__main__":
