@@ -31,6 +31,7 @@ from services.common.errors import (
     TandemError,
     Unavailable,
     error_from_rpc,
+    grpc_status,
 )
 from services.common.grpc_server import remaining_timeout
 from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
@@ -161,8 +162,8 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             with contextlib.ExitStack() as stack:
                 into = stack.enter_context(memoryview(segment.buffer)) if segment is not None else None
                 ack = await self._push(request, job, output, context, served, segment, into)
-        except FailedPrecondition as exc:
-            if segment is not None and "from shared memory" in str(exc):  # it cannot read our segments after all
+        except TandemError as exc:
+            if segment is not None and _refused_shared_memory(exc):  # it cannot read our segments after all
                 self._shares_memory[request.decode_address] = False  # gRPC from now on
             raise
         finally:
@@ -345,6 +346,16 @@ def _close_quietly(chunks: Iterator[KvChunk]) -> None:
 
 async def _ack(push: grpc.aio.StreamUnaryCall) -> kv_transfer_pb2.PushAck:
     return await push
+
+
+def _refused_shared_memory(error: TandemError) -> bool:
+    """Whether a push through shared memory failed because the decode worker cannot read it. It says
+    so in a FailedPrecondition after the first message, while the rest are still being written, and
+    grpcio may then report INTERNAL instead (grpc/grpc#36066): that counts too, since the cost of
+    taking another INTERNAL for it is only the slower transport to that decode worker."""
+    if isinstance(error, FailedPrecondition):
+        return "from shared memory" in error.message
+    return grpc_status(error) == grpc.StatusCode.INTERNAL
 
 
 def _transfer_error(error: grpc.aio.AioRpcError, address: str) -> TandemError:
