@@ -4,6 +4,7 @@
   {ns}:worker:{id}        hash {info, load} (JSON), expiring ttl after the last register/heartbeat
   {ns}:blocks:{id}        set of block hashes the worker caches
   {ns}:block:{hash}       set of worker ids caching the block (the prefix index)
+  {ns}:claim:{key}        the owner of a claim, expiring with its ttl
 
 Every Redis or socket error is raised as StoreUnavailable.
 """
@@ -55,6 +56,12 @@ redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 """
 
+# KEYS: claim key. ARGV: owner. Deletes the claim only while that owner holds it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 def _ttl_ms(ttl: float) -> int:
     return max(1, round(ttl * 1000))
@@ -90,6 +97,7 @@ class RedisStore:
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)
         self._prune_expired = self._redis.register_script(_PRUNE_EXPIRED)
+        self._release = self._redis.register_script(_RELEASE)
         # Each listed worker's stored JSON (info, load) and its record: decoded again only when it changed.
         self._listed: dict[str, tuple[tuple[str, str], WorkerRecord]] = {}
 
@@ -189,6 +197,14 @@ class RedisStore:
     async def _prune(self, worker_id: str) -> None:
         keys = [self._key("worker", worker_id), self._key("blocks", worker_id), self._key("workers")]
         await self._prune_expired(keys=keys, args=[worker_id, self._key("block", "")])
+
+    async def claim(self, key: str, owner: str, ttl: float) -> bool:
+        with self._guard():
+            return bool(await self._redis.set(self._key("claim", key), owner, nx=True, px=_ttl_ms(ttl)))
+
+    async def release(self, key: str, owner: str) -> None:
+        with self._guard():
+            await self._release(keys=[self._key("claim", key)], args=[owner])
 
     async def ping(self) -> None:
         with self._guard():

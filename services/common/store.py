@@ -1,6 +1,7 @@
-"""The scheduler's shared state: the worker registry (TTL heartbeats) and the prefix index
-(block hash -> workers caching it). `Store` is the interface, `EmbeddedStore` the in-process
-implementation; `open_store` picks it or the Redis one (redis_store.py).
+"""The scheduler's shared state: the worker registry (TTL heartbeats), the prefix index
+(block hash -> workers caching it) and claims (which replica does a thing). `Store` is the
+interface, `EmbeddedStore` the in-process implementation; `open_store` picks it or the Redis one
+(redis_store.py).
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ class Store(Protocol):
     async def drop_worker_blocks(self, worker_id: str) -> None:
         """Forget every block of the worker (it restarted, reset its cache, or died)."""
 
+    async def claim(self, key: str, owner: str, ttl: float) -> bool:
+        """Take the claim `key` for `owner` for ttl seconds; False while any owner (`owner` too) holds
+        it unexpired. Atomic across replicas: of those claiming a free key at once, exactly one wins."""
+
+    async def release(self, key: str, owner: str) -> None:
+        """Drop the claim `key` if `owner` still holds it (no-op when it lapsed or another owner holds it)."""
+
     async def ping(self) -> None:
         """Return when the store answers; StoreUnavailable otherwise."""
 
@@ -164,6 +172,7 @@ class EmbeddedStore:
         self._workers: dict[str, _Entry] = {}
         self._holders: dict[BlockHash, set[str]] = {}
         self._blocks: dict[str, set[BlockHash]] = {}
+        self._claims: dict[str, tuple[str, float]] = {}  # key -> (owner, expires_at)
 
     def _live(self, worker_id: str) -> _Entry | None:
         """The worker's entry if it has not expired; an expired worker is forgotten with its blocks."""
@@ -223,6 +232,18 @@ class EmbeddedStore:
         holders.discard(worker_id)
         if not holders:
             del self._holders[block_hash]
+
+    async def claim(self, key: str, owner: str, ttl: float) -> bool:
+        held = self._claims.get(key)
+        if held is not None and held[1] > self._clock():
+            return False
+        self._claims[key] = (owner, self._clock() + ttl)
+        return True
+
+    async def release(self, key: str, owner: str) -> None:
+        held = self._claims.get(key)
+        if held is not None and held[0] == owner:
+            del self._claims[key]
 
     async def ping(self) -> None:
         return None

@@ -5,13 +5,15 @@ model_placement.rebalance decides: a hot model copied onto another worker, a col
 Every call carries the internal token and is bounded (a load by `load_timeout`, the time to read a
 model's weights). A worker's answer is laid over its record in the registry at once
 (WorkerRegistry.record_models), so routing and the other scheduler replicas see the change before
-the worker's next heartbeat reports it.
+the worker's next heartbeat reports it. Replicas that plan the same copy at the same instant agree
+through a claim on the store (`copy:{role}:{model}`): only its holder orders the load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Sequence
 from itertools import islice
 
@@ -19,7 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common.errors import NotFound, Overloaded
-from services.common.store import ModelResidency, ModelState, WorkerRecord, WorkerRole
+from services.common.store import ModelResidency, ModelState, StoreUnavailable, WorkerRecord, WorkerRole
 from services.scheduler.convert import residency_from_pb
 from services.scheduler.model_placement import (
     Action, ActionKind, ReplicaRule, can_serve, holding, loader_order, rebalance,
@@ -40,6 +42,7 @@ class ModelLoads:
         self._registry = registry
         self._clients = clients
         self._load_timeout = load_timeout
+        self._owner = uuid.uuid4().hex  # this replica, as the holder of its claims
 
     async def provision(self, model: str, replicas: int) -> list[str]:
         """Pin `model` on `replicas` workers of each role a request needs (colocated, else prefill and
@@ -65,12 +68,14 @@ class ModelLoads:
 
     async def rebalance(self, rule: ReplicaRule, ttft: ModelTtft | None = None) -> list[Action]:
         """One round of cost placement's copies over the live workers (`ttft`: the first-token times
-        this scheduler observed); returns the actions that succeeded. Each copy it orders shows in the
-        routing map as LOADING before its LoadModel call goes out, so another round, another replica
-        or a request's routing starts no second load of that model meanwhile; the model's TTFT window
-        starts afresh."""
+        this scheduler observed); returns the actions that succeeded. A copy is ordered only under
+        the store's claim on it, held until its load ends (or lapses after the load timeout, should
+        this replica die), and shows in the routing map as LOADING before its LoadModel call goes
+        out, so another round, another replica or a request's routing starts no second load of that
+        model meanwhile; the model's TTFT window starts afresh."""
         records = {r.info.worker_id: r for r in await self._registry.live_workers()}
-        actions = rebalance(list(records.values()), rule, ttft.p90() if ttft is not None else None)
+        planned = rebalance(list(records.values()), rule, ttft.p90() if ttft is not None else None)
+        actions = [a for a in planned if a.kind is ActionKind.UNLOAD or await self._claim(a, records[a.worker_id])]
         for action in actions:
             if action.kind is ActionKind.LOAD:
                 await self._registry.record_models(action.worker_id, resident=ModelResidency(
@@ -96,11 +101,30 @@ class ModelLoads:
             chosen += [record.info.worker_id for record, ok in zip(batch, loaded) if ok]
         return chosen
 
+    async def _claim(self, copy: Action, record: WorkerRecord) -> bool:
+        """Whether this replica now holds the claim on the copy; False while another holds it, or
+        the store is down (no copy is ordered that other replicas could not see)."""
+        try:
+            return await self._registry.store.claim(_copy_key(copy, record), self._owner, self._load_timeout)
+        except StoreUnavailable as exc:
+            log.warning("no copy of %s onto %s while the store is down: %s", copy.model, copy.worker_id, exc)
+            return False
+
+    async def _release(self, copy: Action, record: WorkerRecord) -> None:
+        try:
+            await self._registry.store.release(_copy_key(copy, record), self._owner)
+        except StoreUnavailable as exc:
+            log.warning("the claim on copying %s lapses by itself, within %g s: %s",
+                        copy.model, self._load_timeout, exc)
+
     async def _apply(self, action: Action, record: WorkerRecord) -> bool:
         log.info("%s %s on %s (cost placement)", action.kind, action.model, action.worker_id)
-        if action.kind is ActionKind.LOAD:
+        if action.kind is ActionKind.UNLOAD:
+            return await self._unload(record, action.model)
+        try:
             return await self._load(record, action.model, pin=False)
-        return await self._unload(record, action.model)
+        finally:
+            await self._release(action, record)
 
     async def _load(self, record: WorkerRecord, model: str, *, pin: bool) -> bool:
         worker_id = record.info.worker_id
@@ -129,6 +153,11 @@ class ModelLoads:
         if response.unloaded:
             await self._registry.record_models(worker_id, gone=(model,))
         return response.unloaded
+
+
+def _copy_key(copy: Action, record: WorkerRecord) -> str:
+    """The store's claim on copying a model for a role (rebalance plans one copy per role at a time)."""
+    return f"copy:{record.info.role}:{copy.model}"
 
 
 def _role_groups(records: Sequence[WorkerRecord]) -> list[tuple[WorkerRole, list[WorkerRecord]]]:

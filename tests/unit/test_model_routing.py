@@ -2,7 +2,8 @@
 planner over a registry of multi-model workers (holders first, a loader only when no holder has
 room, both disaggregated workers able to serve the model, latency placement's refusal), the routing
 map seen by a second scheduler on the same store (embedded and Redis), and the loads the scheduler
-orders (ProvisionModel, cost placement's copies) against fake ModelService stubs."""
+orders (ProvisionModel, cost placement's copies, one of them when two replicas plan it at once)
+against fake ModelService stubs."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SchedulerServicer
 from tandem.v1 import scheduler_pb2, worker_pb2
 from tests.redis_fixture import redis_server  # noqa: F401 (fixture)
-from tests.waiting import eventually
+from tests.flaky_store import FlakyStore
+from tests.waiting import DEADLINE_S, eventually
 
 BLOCK = 16
 GIB = 1 << 30
@@ -248,11 +250,69 @@ async def test_two_replicas_start_one_extra_load_of_a_hot_model_and_requests_wai
     await store.close()
 
 
+def listing_together(registry: WorkerRegistry, barrier: asyncio.Barrier) -> None:
+    """Make the registry's listings wait for the other party's: both replicas plan from the same state."""
+    listed = registry.live_workers
+
+    async def live_workers() -> list[WorkerRecord]:
+        records = await listed()
+        await asyncio.wait_for(barrier.wait(), DEADLINE_S)
+        return records
+
+    registry.live_workers = live_workers
+
+
+async def test_two_replicas_planning_the_same_copy_at_the_same_instant_send_one_load(store: Store) -> None:
+    first = await registry_with(record("c-1", resident("chat", active=9)), record("c-2", free_gib=6), store=store)
+    second = WorkerRegistry(store, ttl=5.0)  # another scheduler replica on the same store
+    both_listed = asyncio.Barrier(2)
+    for registry in (first, second):
+        listing_together(registry, both_listed)  # neither sees the other's LOADING mark: only the claim tells
+    done, calls = asyncio.Event(), []
+    clients = FakeClients()
+    clients.models = lambda address: SlowModelService(f"c-{address[-1]}", calls, done)
+    rule = ReplicaRule(hot_active=8)
+    rounds = asyncio.gather(ModelLoads(first, clients).rebalance(rule), ModelLoads(second, clients).rebalance(rule))
+    await eventually(lambda: calls, "a LoadModel sent")
+    assert await store.claim("copy:colocated:chat", "a third replica", ttl=30) is False, "claimed while loading"
+    done.set()
+    assert sorted(await rounds, key=len) == [[], [Action(ActionKind.LOAD, "chat", "c-2")]]
+    assert calls == [("load", "c-2", "chat", False)]
+    assert await store.claim("copy:colocated:chat", "a third replica", ttl=30) is True, "released when loaded"
+    await store.close()
+
+
 async def test_a_failed_copy_leaves_the_routing_map_so_the_next_round_may_try_again() -> None:
     registry = await registry_with(record("c-1", resident("chat", active=9)), record("c-2", free_gib=6))
     clients = FakeClients(refuse={"c-2"})
     assert await ModelLoads(registry, clients).rebalance(ReplicaRule(hot_active=8)) == []
     assert routing_map(await registry.live_workers()) == {"chat": ["c-1"]}
+    assert await registry.store.claim("copy:colocated:chat", "another replica", ttl=30) is True, "released"
+
+
+async def test_a_disaggregated_hot_model_is_copied_for_prefill_and_for_decode_in_one_round() -> None:
+    registry = await registry_with(record("p-1", resident("chat", active=9), role=WorkerRole.PREFILL),
+                                   record("p-2", role=WorkerRole.PREFILL),
+                                   record("d-3", resident("chat", active=9), role=WorkerRole.DECODE),
+                                   record("d-4", role=WorkerRole.DECODE))
+    clients = FakeClients()
+    clients.models = lambda address: FakeModelService(
+        {"7001": "p-1", "7002": "p-2", "7003": "d-3", "7004": "d-4"}[address.rsplit(":", 1)[1]], clients.calls, set())
+    done = await ModelLoads(registry, clients).rebalance(ReplicaRule(hot_active=8))
+    assert done == [Action(ActionKind.LOAD, "chat", "p-2"), Action(ActionKind.LOAD, "chat", "d-4")]
+    assert clients.calls == [("load", "p-2", "chat", False), ("load", "d-4", "chat", False)]
+
+
+async def test_no_copy_goes_out_while_the_store_is_down_and_one_does_once_it_answers() -> None:
+    store = FlakyStore()
+    registry = await registry_with(record("c-1", resident("chat", active=9)), record("c-2", free_gib=6), store=store)
+    clients, store.down = FakeClients(), True
+    assert await ModelLoads(registry, clients).rebalance(ReplicaRule(hot_active=8)) == []
+    assert clients.calls == [] and registry.degraded, "no replica could see the claim: none is taken"
+    store.down = False
+    copied = await ModelLoads(registry, clients).rebalance(ReplicaRule(hot_active=8))
+    assert copied == [Action(ActionKind.LOAD, "chat", "c-2")]
+    assert clients.calls == [("load", "c-2", "chat", False)]
 
 
 async def test_provision_model_refuses_an_empty_name_or_negative_replicas() -> None:

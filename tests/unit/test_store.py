@@ -154,6 +154,33 @@ async def test_remove_worker_forgets_registration_and_blocks(harness: Harness) -
     assert await store.match_prefix(H) == {"b": 1}
 
 
+async def test_a_claim_has_one_owner_until_its_owner_releases_it(harness: Harness) -> None:
+    store = harness.store
+    assert await store.claim("copy:chat", "a", ttl=30) is True
+    assert [await store.claim("copy:chat", owner, ttl=30) for owner in ("b", "a")] == [False, False]
+    assert await store.claim("copy:code", "b", ttl=30) is True, "each key is a claim of its own"
+    await store.release("copy:chat", "b")  # not b's: it stays a's
+    assert await store.claim("copy:chat", "b", ttl=30) is False
+    await store.release("copy:chat", "a")
+    assert await store.claim("copy:chat", "b", ttl=30) is True
+
+
+async def test_of_owners_claiming_at_once_exactly_one_wins(harness: Harness) -> None:
+    owners = [f"replica-{i}" for i in range(8)]
+    won = await asyncio.gather(*(harness.store.claim("copy:chat", owner, ttl=30) for owner in owners))
+    assert sorted(won) == [False] * 7 + [True]
+
+
+async def test_a_lapsed_claim_may_be_taken_and_its_old_owner_cannot_release_the_new_one(harness: Harness) -> None:
+    store, ttl = harness.store, 0.2
+    assert await store.claim("copy:chat", "dead", ttl=ttl) is True
+    await harness.advance(ttl + 0.1)
+    assert await store.claim("copy:chat", "b", ttl=30) is True
+    await store.release("copy:chat", "dead")
+    assert await store.claim("copy:chat", "c", ttl=30) is False
+
+
+
 async def test_redis_replicas_share_state(redis_server: RedisServer) -> None:
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     first, second = RedisStore(redis_server.url, namespace=namespace), RedisStore(redis_server.url, namespace=namespace)
@@ -164,6 +191,9 @@ async def test_redis_replicas_share_state(redis_server: RedisServer) -> None:
         assert [r.info.worker_id for r in await second.list_workers()] == ["a"]
         assert await second.match_prefix(H) == {"a": 2}
         assert (await other.list_workers(), await other.match_prefix(H)) == ([], {})
+        assert (await first.claim("copy:chat", "first", 30), await second.claim("copy:chat", "second", 30)) == (
+            True, False)
+        assert await other.claim("copy:chat", "other", 30) is True, "claims are namespaced"
     finally:
         for store in (first, second, other):
             await store.close()
@@ -195,6 +225,7 @@ async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: R
             store.ping(), store.list_workers(), store.heartbeat("a", WorkerLoad(), 30),
             store.register_worker(info("b"), 30), store.remove_worker("a"), store.add_blocks("a", H),
             store.remove_blocks("a", H), store.match_prefix(H), store.drop_worker_blocks("a"),
+            store.claim("copy:chat", "a", 30), store.release("copy:chat", "a"),
         ]
         for call in calls:
             with pytest.raises(StoreUnavailable, match=f"redis at {private_redis.url} unavailable"):
