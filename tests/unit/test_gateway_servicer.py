@@ -35,7 +35,8 @@ TEXT = "The capital of France is Paris. It is a big city with many museums."
 
 
 class ScriptedScheduler(PlacingScheduler):
-    """Submit streams the tokens of TEXT one event each, or fails as `cache_salt` asks; it records
+    """Submit streams the tokens of TEXT one event each, `delay` seconds apart (with `hold_after` set,
+    that many, then nothing until the call is cancelled), or fails as `cache_salt` asks; it records
     the requests, their metadata and deadlines, and which calls ended cancelled."""
 
     def __init__(self, codec: TextCodec) -> None:
@@ -45,6 +46,7 @@ class ScriptedScheduler(PlacingScheduler):
         self.remaining: list[float | None] = []
         self.cancelled: list[str] = []
         self.delay = 0.0
+        self.hold_after: int | None = None
         self.workers = [scheduler_pb2.WorkerStatus(info=scheduler_pb2.WorkerInfo(
             worker_id="colocated-0", role=common_pb2.WORKER_ROLE_COLOCATED, model="SmolLM2-135M-Instruct"))]
 
@@ -64,6 +66,8 @@ class ScriptedScheduler(PlacingScheduler):
             count = min(len(self.output), request.sampling.max_tokens)
             for offset in range(count):
                 await asyncio.sleep(self.delay)
+                if offset == self.hold_after:
+                    await asyncio.Event().wait()
                 event = scheduler_pb2.TokenEvent(request_id=request.request_id, output_offset=offset,
                                                  token_ids=[self.output[offset]], worker_id="decode-0")
                 if offset == 0:
@@ -174,7 +178,7 @@ async def test_stop_string_cuts_the_text_and_cancels_the_submit_call(mesh):
 
 async def test_client_gone_cancels_the_submit_call(mesh):
     scheduler, _, _, channel = mesh
-    scheduler.delay = 0.05
+    scheduler.hold_after = 1
     call = generate(channel, sampling=common_pb2.SamplingParams(max_tokens=100), request_id="gone-1")
     await call.read()
     call.cancel()

@@ -49,7 +49,8 @@ class FakeScheduler(PlacingScheduler):
     """Replies REPLY (prefixed " <seed>:" when a seed is set) then EOS, one token per event.
 
     Knobs: `fail` (raised before any token), `fail_after` ((k, error): raised after k tokens),
-    `delay` (seconds before each token). `log` records "submit", "token", "cancelled" per request id.
+    `delay` (seconds before each token), `hold_after` (k: nothing after k tokens until the call is
+    cancelled). `log` records "submit", "token", "cancelled" per request id.
     A prompt seen before reports its full 16-token blocks as cached.
     """
 
@@ -60,6 +61,7 @@ class FakeScheduler(PlacingScheduler):
         self.fail: TandemError | None = None
         self.fail_after: tuple[int, TandemError] | None = None
         self.delay = 0.0
+        self.hold_after: int | None = None
         self._seen: set[tuple[int, ...]] = set()
 
     def reply_ids(self, seed: int | None = None) -> list[int]:
@@ -83,6 +85,8 @@ class FakeScheduler(PlacingScheduler):
                     raise self.fail_after[1]
                 if self.delay:
                     await asyncio.sleep(self.delay)
+                if offset == self.hold_after:
+                    await asyncio.Event().wait()
                 event = scheduler_pb2.TokenEvent(request_id=rid, output_offset=offset, token_ids=[token],
                                                  logprobs=_logprobs(token, request.sampling))
                 if offset == len(tokens) - 1:
@@ -543,7 +547,7 @@ async def live_client(codec, served_model, scheduler) -> AsyncIterator[httpx.Asy
 
 
 async def test_client_disconnect_mid_stream_cancels_upstream(live_client, fake):
-    fake.delay = 0.05
+    fake.hold_after = 1
     body = {"prompt": "Hi", "max_tokens": 100, "stream": True}
     async with live_client.stream("POST", "/v1/completions", json=body) as response:
         rid = response.headers["x-request-id"]
@@ -555,7 +559,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream(live_client, fake):
 
 
 async def test_client_disconnect_before_the_first_token_cancels_upstream(live_client, fake):
-    fake.delay = 0.5
+    fake.hold_after = 0
     request = asyncio.ensure_future(live_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 9}))
     await eventually(lambda: len(fake.submits) == 1, "the submit call")
     request.cancel()
