@@ -430,10 +430,11 @@ def test_the_retry_hint_reads_milliseconds_first(trailing, hint) -> None:
 
 
 def test_retries_stay_within_the_call_deadline(gateway: FakeGateway) -> None:
-    # Attempts at about 0 s, 0.4 s, 0.8 s; a fourth would start after the 1 s deadline.
-    steady = RetryPolicy(max_attempts=100, initial_backoff=0.4, multiplier=1.0, jitter=0.0)
+    # Attempts at about 0 s, 1 s, 2 s; a fourth would start after the 3 s deadline. A second attempt
+    # needs the first to fail within 2 s (0.4 s apart in a 1 s deadline left it 0.6 s under load).
+    steady = RetryPolicy(max_attempts=100, initial_backoff=1.0, multiplier=1.0, jitter=0.0)
     chunks, error = call("sync", gateway.target, "generate", "flaky:100", request_id="r-deadline",
-                         timeout=1.0, client={"retry": steady})
+                         timeout=3.0, client={"retry": steady})
     assert isinstance(error, errors.Unavailable)
     # Three when the machine keeps up; fewer when it lags, never the 100 allowed.
     assert 1 < gateway.seen("r-deadline").attempts <= 3
