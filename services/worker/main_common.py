@@ -4,8 +4,8 @@ a TANDEM_* variable), the engine configuration, and the process lifecycle.
 Lifecycle: the gRPC server starts at once with health NOT_SERVING -> the primary model (and any
 --preload or --pin one) loads and its engine thread starts -> the worker registers with the
 scheduler and opens its token stream -> SERVING. Other catalogue models load on their first
-request (services/worker/residency.py). On SIGTERM/SIGINT: deregister, let running requests finish (a few seconds), abort the
-rest, close the stream, stop the server.
+request (services/worker/residency.py). On SIGTERM/SIGINT: deregister, let running requests finish
+(--shutdown-grace, 10 s by default), abort the rest, close the stream, stop the server.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class WorkerConfig:
     lora: tuple[str, ...] = ()  # NAME=DIR adapters, beside those under $TANDEM_HOME/loras
     max_loras: int = 4
     worker_id: str | None = None
+    shutdown_grace: float = SHUTDOWN_GRACE_S  # seconds a stopping worker lets its running requests finish
     internal_token: str | None = None  # None and no internal_tls: open, only under --insecure-internal
     internal_tls: MutualTLS | None = None
 
@@ -184,7 +185,16 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--max-loras", type=int, default=4, help="LoRA adapters loaded at once (least recently "
                "used idle one leaves first)")
     add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
+    add_option(parser, "--shutdown-grace", type=_seconds, default=SHUTDOWN_GRACE_S,
+               help="seconds a worker stopping on SIGTERM lets its running requests finish before it aborts them")
     internal_auth.add_arguments(parser)
+
+
+def _seconds(text: str) -> float:
+    seconds = float(text)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return seconds
 
 
 def _scheduler_addresses(text: str) -> tuple[str, ...]:
@@ -266,9 +276,9 @@ async def _serve_until_stopped(runtime: WorkerRuntime, server: GrpcServer, confi
                if config.metrics_port and registry else None)
     try:
         await first_done(asyncio.create_task(stopping.wait()), runtime.failed.wait())
-        log.info("stopping: leaving the registry, draining running requests (up to %.0f s)", SHUTDOWN_GRACE_S)
+        log.info("stopping: leaving the registry, draining running requests (up to %.0f s)", config.shutdown_grace)
         await server.mark_not_serving()
-        await runtime.stop(drain_s=SHUTDOWN_GRACE_S)
+        await runtime.stop(drain_s=config.shutdown_grace)
     finally:
         if metrics is not None:
             metrics.close()

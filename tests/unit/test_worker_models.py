@@ -1,6 +1,6 @@
 """A worker's model flags: --model (repeatable, NAME=DIR or DIR), --model-memory, --pin and --preload,
 and the plan they make: each catalogue model's weight bytes, the budget (none: the primary's), and
-the errors of a flag naming no model."""
+the errors of a flag naming no model; and --shutdown-grace."""
 
 from __future__ import annotations
 
@@ -61,3 +61,13 @@ def test_plan_sizes_each_model_and_budgets_the_primary_by_default(tmp_path):
     with pytest.raises(ValueError) as unknown:
         model_plan(catalogue, _config("--model", str(primary), "--pin", "small", "--pin", "nope"))
     assert str(unknown.value) == "--pin nope: not in the catalogue (big, broken, small)"
+
+
+def test_the_shutdown_grace_comes_from_its_flag_or_variable_and_is_never_negative(monkeypatch, capsys):
+    assert _config().shutdown_grace == 10.0
+    assert _config("--shutdown-grace", "0").shutdown_grace == 0.0
+    monkeypatch.setenv("TANDEM_SHUTDOWN_GRACE", "120")
+    assert _config().shutdown_grace == 120.0
+    with pytest.raises(SystemExit):
+        _config("--shutdown-grace", "-1")
+    assert "argument --shutdown-grace: must be >= 0 seconds, got -1" in capsys.readouterr().err
