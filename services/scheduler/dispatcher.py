@@ -53,11 +53,11 @@ from services.scheduler.inflight import InflightTable, Placement, RequestState, 
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
 from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
+from services.scheduler.model_ttft import ModelTtft
 from services.scheduler.prefill_placement import PrefillPlacement
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import cached_tokens
 from services.scheduler.stats import Counters, Outcome, snapshot
-from services.scheduler.model_ttft import ModelTtft
 from services.scheduler.streams import TokenStreams
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2
