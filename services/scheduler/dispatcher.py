@@ -52,8 +52,8 @@ from services.scheduler.ending import Ending, Lost
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Launcher
 from services.scheduler.membership import Membership
-from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.model_ttft import ModelTtft
+from services.scheduler.planner import Room, RoutePlan, never_fits, plan_route, room
 from services.scheduler.prefill_placement import PrefillPlacement
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import cached_tokens
