@@ -10,14 +10,7 @@ import pytest
 from services.common.errors import Overloaded, grpc_status
 from services.scheduler.admission import Admission, Ticket, TicketState
 from services.scheduler.drain import DrainRate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def turns(tickets: list[Ticket]) -> list[bool | None]:
@@ -98,7 +91,7 @@ async def test_capacity_growth_lets_waiters_in() -> None:
 
 
 async def test_the_retry_hint_follows_the_drain_rate() -> None:
-    clock = Clock()
+    clock = FakeClock()
     admission = Admission(max_queue=2, capacity=lambda: 1, drain=DrainRate(window_s=30.0, clock=clock))
     running = admission.enter("r0")
     for i in range(10):  # ten requests end in 20 s: 0.5 per second
@@ -114,7 +107,7 @@ async def test_the_retry_hint_follows_the_drain_rate() -> None:
 
 
 def test_drain_rate_counts_the_sliding_window_only() -> None:
-    clock = Clock()
+    clock = FakeClock()
     drain = DrainRate(window_s=10.0, clock=clock)
     assert drain.per_second() == 0.0 and drain.retry_after(waiting=3) == 60.0  # nothing drained: the longest hint
     clock.now += 5.0

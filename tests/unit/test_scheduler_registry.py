@@ -12,18 +12,11 @@ from services.common.block_hash import hash_chain
 from services.common.errors import FailedPrecondition
 from services.common.store import WorkerInfo, WorkerLoad, WorkerRole
 from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
+from tests.clock import FakeClock
 from tests.flaky_store import FlakyStore
 
 TTL = 5.0
 BLOCK = 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def info(worker_id: str, role: WorkerRole = WorkerRole.PREFILL) -> WorkerInfo:

@@ -27,6 +27,7 @@ from services.common.tls import MutualTLS
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, StopRequest, Supervisor, stop_all
 from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
 from tests.certificates import CertificateAuthority
+from tests.clock import FakeClock
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,14 +260,6 @@ def test_a_crash_loop_gives_up_after_max_restarts_and_stops_everything(fakes, mo
     # the log tails said: after the first restart its one failure, after the second both (the log is appended)
     assert err.count("scheduler: failing on restart on purpose") == 1 + 2
     assert psutil.wait_procs(children, timeout=5)[1] == []
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_backoff_doubles_up_to_the_cap_then_gives_up_and_resets_after_a_stable_run():
