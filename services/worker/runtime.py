@@ -274,20 +274,29 @@ class WorkerRuntime:
         """Drops the requests wherever they are (handler, reservation, engine, export), freeing their
         blocks at once and ending their spans; returns the ones this worker held."""
         ids = list(dict.fromkeys(request_ids))
-        waited = [r for r in ids if self._waiters.abort(r)]
-        for request_id in ids:
-            self.batcher.forget(request_id)
-            self.streams.drop(request_id, "aborted")
-            self.spans.end(request_id, "abort")
+        if not ids:
+            return []
+        waited = self._drop_handlers(ids)
         served = list(self.models.models().values())
         for model in served:
             for request_id in ids:
                 model.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
-        if not ids:
-            return []
         held = await asyncio.gather(*(model.loop.call(functools.partial(_drop_all, model.handoff, ids))
                                       for model in served))
-        return list(dict.fromkeys([*waited, *(rid for rids in held for rid in rids)]))
+        dropped = [rid for rids in held for rid in rids]
+        # A handler that tracked its request after _drop_handlers, and got it into the engine before
+        # _drop_all, waits for an output that will never come: it hears of the abort now.
+        self._drop_handlers([rid for rid in dropped if rid not in waited and self.is_awaited(rid)])
+        return list(dict.fromkeys([*waited, *dropped]))
+
+    def _drop_handlers(self, request_ids: list[str]) -> list[str]:
+        """Ends what the requests' handlers await, their streams and spans; returns those awaited."""
+        waited = [r for r in request_ids if self._waiters.abort(r)]
+        for request_id in request_ids:
+            self.batcher.forget(request_id)
+            self.streams.drop(request_id, "aborted")
+            self.spans.end(request_id, "abort")
+        return waited
 
     async def abort_all(self, reason: str) -> None:
         """Drops every request (the scheduler failed them: stream lost or registration expired; or shutdown)."""
