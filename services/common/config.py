@@ -111,6 +111,14 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_seconds(text: str) -> float:
+    """'2.5' -> 2.5: a duration in seconds, 0 or more."""
+    seconds = float(text)
+    if seconds < 0:
+        raise _type_error(f"must be >= 0 seconds, got {text}")
+    return seconds
+
+
 def parse_bool(text: str) -> bool:
     """'1'/'true'/'yes'/'on' -> True, '0'/'false'/'no'/'off'/'' -> False."""
     value = str(text).strip().lower()

@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 import torch
 
 from services.common import internal_auth
-from services.common.config import add_list_option, add_option, from_args, parse_address, parse_list, parse_size
+from services.common.config import (
+    add_list_option, add_option, from_args, parse_address, parse_list, parse_seconds, parse_size,
+)
 from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.grpc_server import CONTROL_MESSAGE_BYTES, GrpcServer, create_server
 from services.common.metrics import ServiceMetrics, start_metrics_server
@@ -185,16 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--max-loras", type=int, default=4, help="LoRA adapters loaded at once (least recently "
                "used idle one leaves first)")
     add_option(parser, "--worker-id", help="id in the scheduler's registry; none: ROLE-HOST:PORT (advertised)")
-    add_option(parser, "--shutdown-grace", type=_seconds, default=SHUTDOWN_GRACE_S,
+    add_option(parser, "--shutdown-grace", type=parse_seconds, default=SHUTDOWN_GRACE_S,
                help="seconds a worker stopping on SIGTERM lets its running requests finish before it aborts them")
     internal_auth.add_arguments(parser)
-
-
-def _seconds(text: str) -> float:
-    seconds = float(text)
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return seconds
 
 
 def _scheduler_addresses(text: str) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.common import internal_auth
-from services.common.config import add_option
+from services.common.config import add_option, parse_count
 from services.common.grpc_server import GrpcServer
 from services.common.tracing import setup_tracing
 from services.worker import main_common
@@ -62,15 +62,15 @@ class SimWorker:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=tuple(ROLE_MODULES), default="colocated", help="what every worker does")
-    add_option(parser, "--count", type=_positive, default=1, env="TANDEM_SIM_COUNT", help="simulated workers")
+    add_option(parser, "--count", type=parse_count, default=1, env="TANDEM_SIM_COUNT", help="simulated workers")
     add_option(parser, "--step-ms", type=float, default=20.0, env="TANDEM_SIM_STEP_MS",
                help="time of one iteration; each running request gets a token per iteration, so a stream "
                     "runs at 1000/step-ms tokens/s")
     add_option(parser, "--prefill-tokens-per-s", type=float, default=0.0, env="TANDEM_SIM_PREFILL_TOKENS_PER_S",
                help="prompt tokens an iteration computes per second, on top of --step-ms (0: free)")
-    add_option(parser, "--kv-blocks", type=_positive, default=4096, env="TANDEM_SIM_KV_BLOCKS",
+    add_option(parser, "--kv-blocks", type=parse_count, default=4096, env="TANDEM_SIM_KV_BLOCKS",
                help="KV blocks of each worker")
-    add_option(parser, "--max-seqs", type=_positive, default=64, env="TANDEM_SIM_MAX_SEQS",
+    add_option(parser, "--max-seqs", type=parse_count, default=64, env="TANDEM_SIM_MAX_SEQS",
                help="requests one iteration runs at most")
     add_option(parser, "--load-ms", type=float, default=0.0, env="TANDEM_SIM_LOAD_MS",
                help="time to load a model (its cold start), for the primary at start and any other on demand")
@@ -81,13 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "port each) and --worker-id a prefix (ID-0, ID-1, ...); the model directory gives only the "
                      "vocabulary, end-of-sequence ids and context length; --device, --threads, --kv-memory, "
                      "--attention and --metrics-port are not used.")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(args: argparse.Namespace) -> int:
