@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from enum import StrEnum
+from functools import lru_cache
 
 from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, ModelState, WorkerRecord, WorkerRole
@@ -180,8 +180,9 @@ def rebalance(records: Sequence[WorkerRecord], rule: ReplicaRule,
               ttft_ms: Mapping[str, float] | None = None) -> list[Action]:
     """Cost placement's copies, per role: one LOAD for each hot model (every copy busy, or, on the
     workers that make first tokens, its recent TTFT `ttft_ms[model]` over the rule's; none while a
-    copy is loading: one extra load of a model at a time) on the first worker of loader_order that can serve it, and one UNLOAD for each model
-    with a cold unpinned copy and another copy kept (its coldest such copy)."""
+    copy is loading: one extra load of a model at a time) on the first worker of loader_order that
+    can serve it, and one UNLOAD for each model with a cold unpinned copy and another copy kept (its
+    coldest such copy)."""
     actions: list[Action] = []
     for role in WorkerRole:
         group = [r for r in records if r.info.role is role]

@@ -23,7 +23,9 @@ from urllib.parse import quote, urlsplit
 from services.common.config import parse_count
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
-from tandem.cli.supervisor import Child, Interrupted, RestartPolicy, StartFailed, StopRequest, Supervisor, stop_all, wait_ready
+from tandem.cli.supervisor import (
+    Child, Interrupted, RestartPolicy, StartFailed, StopRequest, Supervisor, stop_all, wait_ready,
+)
 from tandem.cli.topology import scheduler_name
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
