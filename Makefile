@@ -1,6 +1,7 @@
 # `make run` and `make test` are the two commands of the README; both set up .venv first.
 # Setup is idempotent: the installs run again only when pyproject.toml changes (stamp file),
-# and `tandem model pull-default` returns at once when the default model is in the cache.
+# and `tandem model pull-default` returns at once when the default model is in the cache; the native
+# kernels (services/runtime/native) build once per machine and source change, warning on failure.
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -12,6 +13,8 @@ PROMPT ?= What is the capital of France?
 
 setup: $(STAMP)
 	@$(BIN)/tandem model pull-default
+	@$(BIN)/python -m services.runtime.native || echo "make setup: WARNING: the native kernels did not build" \
+		"(error above); Tandem runs its pure-torch path. Retry with: $(BIN)/python -m services.runtime.native" >&2
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
