@@ -2,8 +2,12 @@
 
 A step's tokens arrive flattened: decode tokens first (one per sequence), then each prompt
 chunk. `BatchMetadata` says where each segment's tokens sit and which blocks hold its context.
-The torch backend (CPU and CUDA) uses SDPA; flash-attn is used on CUDA when it imports and the
-block size suits its paged kernel. The SDPA fallback on CUDA is logged, with the reason, once.
+The model writes the step's keys and values into the cache first (`write_kv`, or the native fused
+RoPE-and-write), then the backend attends. The torch backend (CPU and CUDA) uses SDPA for prompt
+chunks; its decode rows run the native kernel straight over the paged blocks where the native build
+is loaded on the CPU, else two batched matrix products over a gathered copy. flash-attn is used on
+CUDA when it imports and the block size suits its paged kernel. The SDPA fallback on CUDA is logged,
+with the reason, once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from services.runtime import native
 
 log = logging.getLogger(__name__)
 FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged kernel takes pages of a multiple of this many slots
@@ -49,7 +55,7 @@ class BatchMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -59,7 +65,8 @@ class AttentionBackend(Protocol):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Writes `k`/`v` into the cache at `meta.slot_mapping` and returns attention `[T, heads, head_dim]`."""
+        """Attention `[T, heads, head_dim]` of the step's queries; `k`/`v` are already in the cache at
+        `meta.slot_mapping` (a fresh prompt chunk reads them from here rather than from the cache)."""
         ...
 
 
@@ -93,22 +100,31 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, context_len: in
 
 
 class TorchAttention:
-    """SDPA on any device; decode tokens attend in one padded, masked batch."""
+    """SDPA on any device for prompt chunks; decode tokens attend in one batch, by the native kernel
+    when `native_decode` (`select_backend` sets it where `native.active`), else padded and masked."""
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def __init__(self, native_decode: bool = False) -> None:
+        self.native_decode = native_decode
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
         num_decode = meta.num_decode_tokens
         if not meta.prefills:  # a decode-only step: no copy into a joint output
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode_rows(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if num_decode:
-            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta, scale)
+            out[:num_decode] = self._decode_rows(q[:num_decode], k_cache, v_cache, meta, scale)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
         return out
+
+    def _decode_rows(self, q, k_cache, v_cache, meta, scale):
+        if self.native_decode:
+            return torch.ops.tandem.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                     meta.decode_context_lens, scale)
+        return self._decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
@@ -162,14 +178,13 @@ class FlashAttention:
         self._torch = TorchAttention()
         self._prefill_fallback_logged = False
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.prefills or not meta.num_decode_tokens:
             if not self._prefill_fallback_logged:
                 log.warning("attention: steps with prompt chunks use torch SDPA on CUDA (no paged varlen "
                             "flash-attn path yet); decode-only steps use flash-attn")
                 self._prefill_fallback_logged = True
-            return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return self._torch.attend(q, k, v, k_cache, v_cache, meta, scale)
         out = self._with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
             cache_seqlens=meta.decode_context_lens.to(torch.int32),
@@ -187,7 +202,7 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
     if block_size < 1:
         raise ValueError(f"--block-size {block_size} must be at least 1")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttention()
+        return TorchAttention(native_decode=native.active(device))
     if device.type != "cuda":
         raise ValueError("the flash attention backend needs a CUDA device; use --attention torch on CPU")
     if block_size % FLASH_PAGE_MULTIPLE:

@@ -7,6 +7,8 @@ cache take the model's dtype; norms compute in float32 as HF's do, and logits co
 Projections are `quantization.Linear`s: dense, or int8/int4 weights. With quantized weights the
 LM head is int8 (as llama.cpp keeps its output layer above 4 bits: an int4 head, though twice as
 fast, cut bf16+int4's top-1 agreement with fp32 from 0.991 to 0.959); the embedding stays dense.
+The operations between the projections (norms, residual adds, RoPE with the KV write, SiLU) are
+`layer_ops`': one C++ call each where the native build is loaded (`native.active`), else ATen's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.runtime import native
 from services.runtime.attention import AttentionBackend, BatchMetadata
 from services.runtime.kv_cache import PagedKVCache
+from services.runtime.layer_ops import LayerOps, NativeOps, TorchOps, rms_norm
 from services.runtime.loader import WeightReader
 from services.runtime.lora import LoraBatch
 from services.runtime.precision import Precision
@@ -37,22 +41,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operations as HF's LlamaRMSNorm (float32 inside), so fp32 results agree bit for bit; the
-    # intermediates are updated in place (same values, fewer allocations).
-    x32 = x.float()
-    scale = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return weight * (x32 * scale).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on `x` [tokens, heads, head_dim], queries and keys at once: HF's x * cos + rotate_half(x) * sin
-    in four operations, as `sin` comes with its first half negated (`CausalLM.sin`), so the halves
-    swap by a flip: rotate_half(x) * sin = flip(x) * sin_signed, to the bit."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return (x * cos).add_(swapped.mul_(sin))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -85,6 +73,7 @@ class CausalLM:
         lm_head: Linear,
         backend: AttentionBackend,
         precision: Precision = Precision(),
+        native_ops: bool = False,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -93,6 +82,7 @@ class CausalLM:
         self.lm_head = lm_head
         self.backend = backend
         self.precision = precision
+        self.ops = NativeOps if native_ops else TorchOps
         self.scale = config.head_dim**-0.5
         freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
         table = torch.cat((freqs, freqs), dim=-1).to(embed.device)
@@ -115,7 +105,7 @@ class CausalLM:
         final_norm = weights.dense("model.norm.weight", config.hidden_size)
         tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
         lm_head = _lm_head(weights, config, DenseLinear(embed) if tied else None)
-        return cls(config, embed, layers, final_norm, lm_head, backend, precision)
+        return cls(config, embed, layers, final_norm, lm_head, backend, precision, native.active(torch.device(device)))
 
     @property
     def device(self) -> torch.device:
@@ -129,38 +119,38 @@ class CausalLM:
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: PagedKVCache,
                 lora: LoraBatch | None = None) -> torch.Tensor:
         """Runs the batch, writing its K/V into `cache`; returns logits `[len(logits_indices), vocab]`.
-        `lora` adds each row's adapter update to its projections."""
+        `lora` adds each row's adapter update to its projections. Each layer's residual add is left
+        to the next norm (`ops.norm(hidden, delta, ...)` adds, then normalizes), one call either way."""
         hidden = F.embedding(input_ids, self.embed)  # a new tensor, so the residual adds may run in place
-        cos = self.cos[meta.positions].unsqueeze(1)
-        sin = self.sin[meta.positions].unsqueeze(1)
+        ops = self.ops(self.cos, self.sin, meta)
         eps = self.config.rms_norm_eps
+        delta = None
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(index)
             project = _Projections(layer, index, lora)
-            hidden += self._attention(rms_norm(hidden, layer.input_norm, eps), project, layer, cos, sin,
-                                      k_cache, v_cache, meta)
-            hidden += self._mlp(rms_norm(hidden, layer.post_norm, eps), project)
-        sampled = rms_norm(hidden[meta.logits_indices], self.final_norm, eps)
+            attended = self._attention(ops.norm(hidden, delta, layer.input_norm, eps), project, layer, ops,
+                                       k_cache, v_cache, meta)
+            delta = project("down", ops.silu_mul(project("gate_up", ops.norm(hidden, attended, layer.post_norm, eps))))
+        hidden += delta
+        sampled = ops.norm(hidden[meta.logits_indices], None, self.final_norm, eps)
         return self.lm_head(sampled).float()
 
-    def _attention(self, x, project: _Projections, layer: LayerWeights, cos, sin, k_cache, v_cache,
+    def _attention(self, x, project: _Projections, layer: LayerWeights, ops: LayerOps, k_cache, v_cache,
                    meta: BatchMetadata):
         cfg = self.config
-        q_size = cfg.num_heads * cfg.head_dim
-        heads = (cfg.num_heads, cfg.num_kv_heads)
         qkv = project("qkv", x).view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk, v = qkv.split((sum(heads), cfg.num_kv_heads), dim=1)
         if layer.q_norm is not None:
-            q, k = qk.split(heads, dim=1)
-            qk = torch.cat((rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)), 1)
-        q, k = rotate(qk, cos, sin).split(heads, dim=1)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return project("o_proj", out.reshape(x.shape[0], q_size))
+            _norm_qk(qkv, layer, cfg)
+        q, k, v = ops.rope_write_kv(qkv, cfg.num_heads, k_cache, v_cache)
+        out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        return project("o_proj", out.reshape(x.shape[0], cfg.num_heads * cfg.head_dim))
 
-    @staticmethod
-    def _mlp(x, project: _Projections):
-        gate, up = project("gate_up", x).chunk(2, dim=-1)  # views of a new tensor: updated in place
-        return project("down", F.silu(gate, inplace=True).mul_(up))
+
+def _norm_qk(qkv: torch.Tensor, layer: LayerWeights, cfg: ModelConfig) -> None:
+    """Qwen3's per-head RMSNorm of queries and keys, before RoPE, in place in `qkv`."""
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    qkv[:, :heads] = rms_norm(qkv[:, :heads], layer.q_norm, cfg.rms_norm_eps)
+    qkv[:, heads:heads + kv_heads] = rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, cfg.rms_norm_eps)
 
 
 class _Projections:

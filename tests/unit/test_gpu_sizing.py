@@ -77,10 +77,10 @@ def test_auto_on_cuda_takes_flash_at_a_multiple_of_256(monkeypatch) -> None:
 def test_flash_logs_its_prefill_fallback_once(caplog) -> None:
     flash = _FakeFlash()
     calls: list[int] = []
-    flash._torch = type("Sdpa", (), {"forward": lambda self, *args: calls.append(1) or "sdpa"})()
+    flash._torch = type("Sdpa", (), {"attend": lambda self, *args: calls.append(1) or "sdpa"})()
     meta = attention.BatchMetadata(torch.zeros(1), torch.zeros(1), 0, None, None, None, [], torch.zeros(1))
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
-        assert [flash.forward(None, None, None, None, None, meta, 1.0) for _ in range(3)] == ["sdpa"] * 3
+        assert [flash.attend(None, None, None, None, None, meta, 1.0) for _ in range(3)] == ["sdpa"] * 3
     assert calls == [1, 1, 1]
     assert len(caplog.messages) == 1
     assert caplog.messages[0].startswith("attention: steps with prompt chunks use torch SDPA on CUDA")

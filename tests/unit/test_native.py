@@ -7,13 +7,17 @@ about a minute on 2 cores); without a C++ compiler on PATH the module is skipped
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.runtime import native
-from services.runtime.model import rms_norm
+from services.runtime.attention import BatchMetadata, TorchAttention, write_kv
+from services.runtime.layer_ops import rms_norm, rotate
+from services.runtime.model_runner import ModelRunner
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -55,3 +59,84 @@ def test_add_rms_norm_adds_in_place_then_normalizes(ops, dtype):
 def test_norm_rejects_a_weight_of_the_wrong_size(ops):
     with pytest.raises(RuntimeError, match=r"the last dim of x \(576\) must equal the weight's size \(64\)"):
         ops.rms_norm(torch.randn(2, 576), torch.randn(64), 1e-5)
+
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_equals_rotate_then_write_to_the_bit(ops, dtype):
+    torch.manual_seed(2)
+    qkv = torch.randn(5, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    cos, sin = torch.randn(100, HEAD_DIM).to(dtype), torch.randn(100, HEAD_DIM).to(dtype)
+    positions, slots = torch.tensor([3, 7, 50, 99, 0]), torch.tensor([0, 17, 33, 5, 60])
+    k_cache, v_cache = torch.zeros(8, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype), torch.zeros(8, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    qk, v = qkv.split((HEADS + KV_HEADS, KV_HEADS), dim=1)
+    want = rotate(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    write_kv(want[:, HEADS:], v, want_k_cache, want_v_cache, slots)
+    ops.rope_write_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS)
+    assert torch.equal(qkv[:, :HEADS + KV_HEADS], want)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+
+
+def test_rope_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(ops):
+    qkv = torch.randn(2, HEADS + 2 * KV_HEADS, HEAD_DIM)
+    before = qkv.clone()
+    k_cache, v_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM), torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM)
+    table = torch.randn(10, HEAD_DIM)
+    with pytest.raises(RuntimeError, match=r"rope_write_kv: slot 32 is outside the 32-slot cache"):
+        ops.rope_write_kv(qkv, table, table, torch.tensor([0, 1]), k_cache, v_cache, torch.tensor([1, 32]), HEADS)
+    assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(ops, dtype):
+    torch.manual_seed(3)
+    gate_up = (torch.randn(4, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (4, 1536) and got.dtype == dtype
+    _close(got, F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_the_torch_path_over_paged_blocks(ops, dtype):
+    """Three sequences of different lengths over scattered blocks, queries a strided view of a fused
+    qkv row (as the model passes them), unwritten slots full of garbage the lengths must hide."""
+    torch.manual_seed(4)
+    k_cache = torch.full((8, BLOCK, KV_HEADS, HEAD_DIM), 1e4).to(dtype)
+    v_cache = torch.full((8, BLOCK, KV_HEADS, HEAD_DIM), 1e4).to(dtype)
+    lens, tables = [3, 40, 17], [[5], [2, 7, 1], [0, 4]]
+    for length, table in zip(lens, tables):
+        for pos in range(length):
+            k_cache[table[pos // BLOCK], pos % BLOCK] = torch.randn(KV_HEADS, HEAD_DIM).to(dtype)
+            v_cache[table[pos // BLOCK], pos % BLOCK] = torch.randn(KV_HEADS, HEAD_DIM).to(dtype)
+    padded, context_lens, bias = ModelRunner._decode_tensors(tables, lens, BLOCK, torch.device("cpu"))
+    meta = BatchMetadata(positions=context_lens - 1, slot_mapping=torch.empty(0, dtype=torch.long),
+                         num_decode_tokens=3, decode_block_tables=padded, decode_context_lens=context_lens,
+                         decode_bias=bias, prefills=[], logits_indices=torch.arange(3))
+    q = torch.randn(3, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)[:, :HEADS]
+    got = ops.decode_attention(q, k_cache, v_cache, padded, context_lens, 0.125)
+    assert got.shape == (3, HEADS, HEAD_DIM) and got.dtype == dtype
+    _close(got, TorchAttention._decode(q, k_cache, v_cache, meta, 0.125), dtype)
+
+
+def test_decode_attention_refuses_a_context_longer_than_its_blocks(ops):
+    cache = torch.zeros(4, BLOCK, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match=r"sequence 0's context of 17 tokens does not fit its 1 blocks of 16"):
+        ops.decode_attention(torch.zeros(1, HEADS, HEAD_DIM), cache, cache, torch.tensor([[0]]), torch.tensor([17]), 1.0)
+
+
+def test_without_a_build_the_torch_path_runs_and_the_log_says_how_to_build(ops, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    native.loaded.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert not native.loaded() and not native.active(torch.device("cpu"))
+        assert caplog.messages == [f"native kernels: no build for these sources at {native.library_path()}; the "
+                                   "torch path runs. Build it with `python -m services.runtime.native` (make setup does)"]
+    finally:
+        monkeypatch.undo()
+        native.loaded.cache_clear()
+    assert native.loaded()

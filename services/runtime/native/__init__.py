@@ -85,6 +85,12 @@ def loaded() -> bool:
     return True
 
 
+def active(device: torch.device) -> bool:
+    """The one switch the callers check: the kernels run where their build is loaded and the tensors
+    are on the CPU (they are CPU kernels)."""
+    return device.type == "cpu" and loaded()
+
+
 def _build_key() -> str:
     digest = hashlib.sha256()
     for source in sorted(_PACKAGE_DIR.glob("*.[ch]*")):  # the sources and the headers they include
