@@ -1,10 +1,15 @@
 """The model's linear layers: dense, or with weight-only int8 or int4 weights, behind one callable.
 
-int8 keeps one symmetric scale per output row and runs torch's `_weight_int8pack_mm`; int4 keeps
-a scale and a minimum per group of 32 input weights (GGUF's Q4_1 layout) and runs
-`_weight_int4pack_mm_for_cpu`. Both kernels are the CPU's and take 16-bit activations. A
-`SplitLinear` keeps a dense copy too and runs it from a batch size on, where the probe
-(services/runtime/precision.py) found the quantized kernel slower than the dense one.
+int8 keeps one symmetric scale per output row; int4 keeps a scale and a minimum per group of 32
+input weights (GGUF's Q4_1 layout). Where the native kernels are loaded (services/runtime/native,
+`quant_gemv.cpp`), both run Tandem's own matrix-vector kernels (`torch.ops.tandem.int8_gemv`,
+`int4_gemv`: AVX-512 with bf16 dot products where the CPU has them), at every batch size: they
+measured faster than torch's at 1 to 128 rows. Elsewhere they run torch's CPU kernels,
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take 16-bit activations. The native
+int4 kernel takes bfloat16 activations and its own packing of the codes, made at load time in
+place of torch's (one copy); under float16 int4 stays on torch's kernel. A `SplitLinear` keeps a
+dense copy too and runs it from a batch size on, where the probe (services/runtime/precision.py)
+found the quantized kernel slower than the dense one.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.runtime import native
+
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
 INT4_ROW_MULTIPLE = 16  # the int4 packing takes output rows in tiles of 16
 INT4_LEVELS = 15
+INT4_CODE_BIAS = 128  # the native int4 kernel dots x with 128 + code (see quant_gemv.cpp)
 
 
 class Linear(Protocol):
@@ -50,15 +58,18 @@ class Int8Linear:
         return cls(qweight.contiguous(), scales.to(dtype), _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        kernel = torch.ops.tandem.int8_gemv if native.loaded() else torch.ops.aten._weight_int8pack_mm
+        out = kernel(x.contiguous(), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
 
 
 @dataclass(frozen=True, slots=True)
-class Int4Linear:
-    packed: torch.Tensor  # uint8, torch's CPU int4 packing of the 0..15 codes
-    scale_zeros: torch.Tensor  # [in / 32, out, 2]: W = (code - 8) * scale + zero per group
-    bias: torch.Tensor | None = None
+class Int4Groups:
+    """int4 weights before packing: W = codes * scale + minimum per group of 32 input weights."""
+
+    codes: torch.Tensor  # [out, in], 0..15
+    scale: torch.Tensor  # [out, in / 32], float32
+    minimum: torch.Tensor  # [out, in / 32], float32
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -66,27 +77,71 @@ class Int4Linear:
         return out_features % INT4_ROW_MULTIPLE == 0 and in_features % INT4_GROUP == 0
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+    def quantize(cls, weight: torch.Tensor) -> Int4Groups:
         """Rounds each group of 32 weights to 16 levels between its minimum and maximum."""
         out_features, in_features = weight.shape
         groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
         minimum = groups.amin(dim=-1)
         scale = ((groups.amax(dim=-1) - minimum) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
         codes = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS)
-        return cls.from_groups(codes.view(out_features, in_features), scale, minimum, bias, dtype)
+        return cls(codes.view(out_features, in_features), scale, minimum)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Linear:
+    """int4 weights in torch's CPU packing, run by `_weight_int4pack_mm_for_cpu`."""
+
+    packed: torch.Tensor  # uint8, torch's CPU int4 packing of the 0..15 codes
+    scale_zeros: torch.Tensor  # [in / 32, out, 2]: W = (code - 8) * scale + zero per group
+    bias: torch.Tensor | None = None
 
     @classmethod
-    def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
-        """From codes 0..15 `[out, in]` and per-group `scale`, `minimum` `[out, in / 32]`: W = code * scale + minimum."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        zeros = minimum + 8 * scale  # the kernel centres codes on 8
-        scale_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+    def pack(cls, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32).contiguous(), 1)
+        zeros = groups.minimum + 8 * groups.scale  # the kernel centres codes on 8
+        scale_zeros = torch.stack([groups.scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         return cls(packed, scale_zeros, _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scale_zeros)
         return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class NativeInt4Linear:
+    """int4 weights in the native kernel's packing (quant_gemv.cpp), run by `tandem.int4_gemv` on
+    bfloat16 activations. The group count is padded to even with zero groups."""
+
+    codes: torch.Tensor  # uint8 [out, groups * 16]: byte j of a group = code j | code (j + 16) << 4
+    scales: torch.Tensor  # float32 [out, groups]
+    offsets: torch.Tensor  # float32 [groups, out]: minimum - 128 * scale
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def pack(cls, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> NativeInt4Linear:
+        out_features, in_features = groups.codes.shape
+        count = in_features // INT4_GROUP
+        padded = count + count % 2
+        codes = torch.zeros(out_features, padded, INT4_GROUP, dtype=torch.uint8)
+        codes[:, :count] = groups.codes.view(out_features, count, INT4_GROUP).to(torch.uint8)
+        half = INT4_GROUP // 2
+        packed = (codes[..., :half] | (codes[..., half:] << 4)).view(out_features, padded * half)
+        scales = torch.zeros(out_features, padded)
+        scales[:, :count] = groups.scale
+        offsets = torch.zeros(padded, out_features)
+        offsets[:count] = (groups.minimum - INT4_CODE_BIAS * groups.scale).t()
+        return cls(packed.contiguous(), scales, offsets, _cast(bias, dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.tandem.int4_gemv(x.contiguous(), self.codes, self.scales, self.offsets)
+        return out if self.bias is None else out + self.bias
+
+
+def int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """The int4 layer for these groups: the native kernel's packing where it runs (loaded, bfloat16
+    activations), torch's otherwise."""
+    layer = NativeInt4Linear if dtype == torch.bfloat16 and native.loaded() else Int4Linear
+    return layer.pack(groups, bias, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +164,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: s
     if quantization == "none":
         return DenseLinear(weight.to(device=device, dtype=dtype), _cast(bias, dtype, device))
     check_quantization(quantization, dtype, torch.device(device))
-    if quantization == "int4" and Int4Linear.fits(weight):
-        quantized: Linear = Int4Linear.quantize(weight, bias, dtype)
+    if quantization == "int4" and Int4Groups.fits(weight):
+        quantized: Linear = int4_linear(Int4Groups.quantize(weight), bias, dtype)
     else:
         quantized = Int8Linear.quantize(weight, bias, dtype)
     if dense_from_rows is None:

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from services.common.model_config import ModelConfig
-from services.runtime import precision_probe
+from services.runtime import native, precision_probe
 from services.runtime.precision import FLOAT32, Choice, Precision, choose, hybrids, resolve
 from services.runtime.precision_probe import ProbeSetup, run_probe
-from services.runtime.quantization import DenseLinear, Int4Linear, Int8Linear, SplitLinear, make_linear
+from services.runtime.quantization import (DenseLinear, Int4Groups, Int4Linear, Int8Linear, NativeInt4Linear,
+                                             SplitLinear, int4_linear, make_linear)
 
 BF16, FP16 = Precision(torch.bfloat16), Precision(torch.float16)
 BF16_INT4, BF16_INT8 = Precision(torch.bfloat16, "int4"), Precision(torch.bfloat16, "int8")
@@ -39,7 +40,7 @@ def test_int8_rows_keep_their_scale_and_round_to_the_nearest_level():
 
 def test_int4_groups_of_32_run_as_their_dequantized_weights():
     w = weight()
-    layer = Int4Linear.quantize(w, torch.arange(48.0), torch.float32)
+    layer = int4_linear(Int4Groups.quantize(w), torch.arange(48.0), torch.float32)
     groups = w.view(48, 2, 32)
     scale = (groups.amax(-1) - groups.amin(-1)) / 15
     x = torch.eye(64)  # rows of the output are the dequantized weight's columns, plus the bias
@@ -52,7 +53,8 @@ def test_make_linear_formats():
     w = weight()
     assert isinstance(make_linear(w, None, "none", torch.bfloat16), DenseLinear)
     assert isinstance(make_linear(w, None, "int8", torch.bfloat16), Int8Linear)
-    assert isinstance(make_linear(w, None, "int4", torch.bfloat16), Int4Linear)
+    int4 = NativeInt4Linear if native.loaded() else Int4Linear
+    assert isinstance(make_linear(w, None, "int4", torch.bfloat16), int4)
     assert isinstance(make_linear(weight(40, 64), None, "int4", torch.bfloat16), Int8Linear)  # 40 rows: no int4 tile
     split = make_linear(w, None, "int4", torch.bfloat16, dense_from_rows=8)
     assert isinstance(split, SplitLinear) and isinstance(split.dense, DenseLinear) and split.dense_from_rows == 8
