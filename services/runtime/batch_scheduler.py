@@ -1,8 +1,10 @@
 """Iteration-level batching: which sequences run in the next step, and how many tokens each.
 
 Running sequences go first, in arrival order, one chunk each (a decode token or the next
-prompt chunk); waiting sequences are admitted after them while the token budget, the sequence
-cap and the free blocks allow. When a running sequence needs a block and none is free, the
+prompt chunk); a prompt chunk leaves one token of the budget for every decode behind it, so a long
+prompt admitted before them never takes a step from the decodes (the budget is what keeps a
+colocated step within the ITL target: services/scheduler/batch_policy.py). Waiting sequences are
+admitted after them while the token budget, the sequence cap and the free blocks allow. When a running sequence needs a block and none is free, the
 most recently admitted running sequence is preempted: its blocks are released and it waits at
 the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
 """
@@ -71,10 +73,11 @@ class IterationScheduler:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one's blocks
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)
-            if not self._ensure_blocks(seq, num_new):
+            room = budget if seq.num_uncomputed_tokens == 1 else budget - self._decodes_behind(seq)
+            num_new = min(seq.num_uncomputed_tokens, room, self.limits.chunk_size)
+            if num_new <= 0 or not self._ensure_blocks(seq, num_new):
                 continue
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
@@ -87,6 +90,11 @@ class IterationScheduler:
             chunks.append(chunk)
             budget -= chunk.num_new_tokens
         return chunks
+
+    def _decodes_behind(self, seq: Sequence) -> int:
+        """Running sequences after `seq` whose next chunk is a single token."""
+        behind = self.running[self.running.index(seq) + 1 :]
+        return sum(1 for other in behind if other.num_uncomputed_tokens == 1)
 
     def _ensure_blocks(self, seq: Sequence, num_new: int) -> bool:
         """Finds room for `seq`'s next chunk, preempting from the tail; False if `seq` itself was preempted."""
