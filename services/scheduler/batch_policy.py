@@ -1,21 +1,26 @@
 """A worker's batching policy from its step-cost model and the scheduler's TTFT and ITL targets.
 
 The model (services/common/step_cost.py) says what a step of `n` tokens, each reading about
-`context` KV entries, costs. The running decodes go first in every step and each prompt chunk
-only takes what is left of the token budget (services/runtime/batch_scheduler.py), so a budget
-whose full step fits the ITL target keeps every colocated decode step under it, however long
-the prompt being prefilled:
+`context` KV entries, costs. Every step gives each running decode its token before a prompt chunk
+takes what is left of the token budget (services/runtime/batch_scheduler.py), so a budget whose
+full step fits the ITL target keeps every colocated decode step under it, however long the prompt
+being prefilled. A step full of decodes would leave prompts nothing, so the sequence cap keeps a
+share of every step for them, enough to prefill a typical prompt within the TTFT target in steps
+of the ITL target:
 
     token budget  B = floor((itl - fixed) / (per_token + per_context * context))   (at least one block)
-    max sequences   = min(B, cap)        a step of decodes alone fits too
+    prompt share  P = ceil(typical prompt * itl / ttft), at most B / 2
+    max sequences   = min(B - P, cap)
     chunk size      = B rounded down to whole blocks (a chunk ends on a block edge)
     window          = min(fixed, TTFT slack of a typical prompt)
 
 A target the worker cannot meet even with one block of tokens per step (its fixed cost alone is
 about the target, as on a loaded CPU) gets steps of one block: smaller ones would not bring the step
-time under the target, and would cut throughput by the fixed cost paid per few tokens.
-Waiting to form a prefill batch saves at most one step's fixed cost, so the window never exceeds
-it, and it never spends more than the slack the typical prompt's prefill leaves under the TTFT target.
+time under the target, and would cut throughput by the fixed cost paid per few tokens. A budget too
+small for both targets keeps half of it for prompts: the decodes still meet the ITL target, and
+prompts still progress. Waiting to form a prefill batch saves at most one step's fixed cost, so the
+window never exceeds it, and it never spends more than the slack the typical prompt's prefill leaves
+under the TTFT target.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.step_cost import StepCost
+from services.common.store import WorkerRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +66,11 @@ class SloPolicy:
     context_tokens: int
     max_seqs_cap: int
 
-    def for_worker(self, cost: StepCost, block_size: int) -> BatchPolicyNumbers:
+    def for_worker(self, cost: StepCost, block_size: int, role: WorkerRole) -> BatchPolicyNumbers | None:
+        """None for a prefill worker: its steps hold no decodes, so no ITL target bounds them, and its own
+        flags size them for throughput (an ITL-sized budget cut its prompts into several times more steps)."""
+        if role is WorkerRole.PREFILL:
+            return None
         return policy_for(cost, ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms,
                                                context_tokens=self.context_tokens,
                                                typical_prompt_tokens=self.context_tokens,
@@ -72,8 +82,15 @@ def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
     chunk = budget // targets.block_size * targets.block_size
     slack = targets.ttft_ms - prefill_ms(cost, targets.typical_prompt_tokens, chunk)
     window = max(0.0, min(cost.fixed_ms, slack))
-    return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget, targets.max_seqs_cap),
+    share = min(prompt_share(targets), budget // 2)
+    return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget - share, targets.max_seqs_cap),
                               chunk_size=chunk, batch_window_ms=math.floor(window))
+
+
+def prompt_share(targets: ServiceTargets) -> int:
+    """Tokens of every step prompts need for a typical one to prefill within the TTFT target when
+    each step takes the ITL target."""
+    return math.ceil(targets.typical_prompt_tokens * targets.itl_ms / targets.ttft_ms)
 
 
 def token_budget(cost: StepCost, itl_ms: float, context_tokens: int) -> int:

@@ -68,10 +68,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def _slo_policy(self, worker_id: str, cost: StepCost | None) -> scheduler_pb2.BatchPolicy | None:
         if self._slo is None or cost is None:
             return None
-        block_size = next((r.info.block_size for r in self._registry.snapshot() if r.info.worker_id == worker_id), 0)
-        if block_size <= 0:
+        info = next((r.info for r in self._registry.snapshot() if r.info.worker_id == worker_id), None)
+        if info is None or info.block_size <= 0:
             return None
-        numbers = self._slo.for_worker(cost, block_size)
+        numbers = self._slo.for_worker(cost, info.block_size, info.role)
+        if numbers is None:
+            return None
         return scheduler_pb2.BatchPolicy(max_num_batched_tokens=numbers.max_num_batched_tokens,
                                          max_num_seqs=numbers.max_num_seqs, chunk_size=numbers.chunk_size,
                                          batch_window_ms=numbers.batch_window_ms)

@@ -3,7 +3,18 @@
 import pytest
 
 from services.common.step_cost import StepCost
-from services.scheduler.batch_policy import BatchPolicyNumbers, ServiceTargets, policy_for, prefill_ms, token_budget
+from services.common.store import WorkerRole
+import math
+
+from services.scheduler.batch_policy import (
+    BatchPolicyNumbers,
+    ServiceTargets,
+    SloPolicy,
+    policy_for,
+    prefill_ms,
+    prompt_share,
+    token_budget,
+)
 
 COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001)
 
@@ -14,9 +25,31 @@ def targets(ttft_ms: float, itl_ms: float) -> ServiceTargets:
 
 
 def test_policy_numbers_from_cost_and_slos() -> None:
-    # budget floor(40 / (0.05 + 0.1024)) = 262; chunk 256 (16 whole blocks); window = fixed cost 10 ms
+    # budget floor(40 / (0.05 + 0.1024)) = 262; prompts' share ceil(512 * 50 / 1000) = 26, so at most
+    # 236 sequences; chunk 256 (16 whole blocks); window = fixed cost 10 ms
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=50)) == BatchPolicyNumbers(
-        max_num_batched_tokens=262, max_num_seqs=256, chunk_size=256, batch_window_ms=10)
+        max_num_batched_tokens=262, max_num_seqs=236, chunk_size=256, batch_window_ms=10)
+
+
+def test_a_step_full_of_decodes_leaves_prompts_enough_to_meet_the_ttft_target() -> None:
+    goal = targets(ttft_ms=1000, itl_ms=50)
+    policy = policy_for(COST, goal)
+    left = policy.max_num_batched_tokens - policy.max_num_seqs
+    assert left == prompt_share(goal) == 26
+    assert math.ceil(512 / left) * 50 <= 1000 < math.ceil(512 / (left - 1)) * 50
+
+
+def test_a_budget_too_small_for_both_targets_keeps_half_for_prompts() -> None:
+    goal = targets(ttft_ms=100, itl_ms=50)
+    assert prompt_share(goal) == 256
+    assert policy_for(COST, goal) == BatchPolicyNumbers(
+        max_num_batched_tokens=262, max_num_seqs=131, chunk_size=256, batch_window_ms=10)
+
+
+def test_the_scheduler_cap_bounds_the_sequences() -> None:
+    goal = ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=1024, typical_prompt_tokens=512, max_seqs_cap=64,
+                          block_size=16)
+    assert policy_for(COST, goal).max_num_seqs == 64
 
 
 def test_window_is_the_ttft_slack_when_smaller_than_a_step() -> None:
@@ -34,8 +67,16 @@ def test_full_budget_step_meets_the_itl_target() -> None:
 def test_an_itl_target_the_worker_cannot_meet_gets_steps_of_one_block() -> None:
     assert token_budget(COST, itl_ms=5, context_tokens=1024) == 0
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=5)) == BatchPolicyNumbers(
-        max_num_batched_tokens=16, max_num_seqs=16, chunk_size=16, batch_window_ms=10)
+        max_num_batched_tokens=16, max_num_seqs=13, chunk_size=16, batch_window_ms=10)
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)).max_num_batched_tokens == 16
+
+
+def test_a_prefill_worker_keeps_its_own_flags() -> None:
+    slo = SloPolicy(ttft_ms=1000, itl_ms=50, context_tokens=512, max_seqs_cap=256)
+    assert slo.for_worker(COST, 16, WorkerRole.PREFILL) is None
+    expected = policy_for(COST, ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=512, typical_prompt_tokens=512,
+                                               max_seqs_cap=256, block_size=16))
+    assert slo.for_worker(COST, 16, WorkerRole.DECODE) == slo.for_worker(COST, 16, WorkerRole.COLOCATED) == expected
 
 
 def test_nonpositive_target_is_refused() -> None:
