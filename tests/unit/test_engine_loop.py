@@ -43,8 +43,9 @@ async def test_calls_run_in_the_engine_thread_and_steps_reach_the_loop(model_dir
     loop = EngineLoop(engine, on_step)
     loop.start()
     assert await loop.call(lambda e: threading.current_thread().name) == "engine"
-    await loop.call(lambda e: e.add_request("a", PROMPT, GREEDY))
-    await loop.call(lambda e: e.add_request("b", PROMPT[:7], GREEDY))
+    # Both in one call: a second call could land after "a" ran all its steps (a loaded event loop), and
+    # "a" alone finishing would end the wait before "b" ran at all.
+    await loop.call(lambda e: (e.add_request("a", PROMPT, GREEDY), e.add_request("b", PROMPT[:7], GREEDY)))
     await asyncio.wait_for(done.wait(), 30)
 
     tokens = {"a": [], "b": []}
