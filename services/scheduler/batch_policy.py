@@ -8,15 +8,17 @@ being prefilled. A step full of decodes would leave prompts nothing, so the sequ
 share of every step for them, enough to prefill a typical prompt within the TTFT target in steps
 of the ITL target:
 
-    token budget  B = floor((itl - fixed) / (per_token + per_context * context))   (at least one block)
+    token budget  B = floor((itl - fixed) / (per_token + per_context * context))
+                      (below one block: ceil(fixed / (per_token + per_context * context)))
     prompt share  P = ceil(typical prompt * itl / ttft), at most B / 2
     max sequences   = min(B - P, cap)
     chunk size      = B rounded down to whole blocks (a chunk ends on a block edge)
     window          = min(fixed, TTFT slack of a typical prompt)
 
 A target the worker cannot meet even with one block of tokens per step (its fixed cost alone is
-about the target, as on a loaded CPU) gets steps of one block: smaller ones would not bring the step
-time under the target, and would cut throughput by the fixed cost paid per few tokens. A budget too
+about the target, as on an oversubscribed CPU) is lost whatever the budget, so the steps' tokens get
+to cost as much as their fixed cost: steps of one block paid the fixed cost for a few tokens each (a
+fixed cost fitted at 3.3 s under load gave 16-token steps, 2.3 tokens/s in the long-prompt mix). A budget too
 small for both targets keeps half of it for prompts: the decodes still meet the ITL target, and
 prompts still progress. Waiting to form a prefill batch saves at most one step's fixed cost, so the
 window never exceeds it, and it never spends more than the slack the typical prompt's prefill leaves
@@ -68,8 +70,10 @@ class SloPolicy:
 
     def for_worker(self, cost: StepCost, block_size: int, role: WorkerRole) -> BatchPolicyNumbers | None:
         """None for a prefill worker: its steps hold no decodes, so no ITL target bounds them, and its own
-        flags size them for throughput (an ITL-sized budget cut its prompts into several times more steps)."""
-        if role is WorkerRole.PREFILL:
+        flags size them for throughput (an ITL-sized budget cut its prompts into several times more steps).
+        None too for a fit with no per-token cost (noise on a loaded machine): it sizes nothing, and the
+        worker keeps the policy it has."""
+        if role is WorkerRole.PREFILL or cost.per_token_ms + cost.per_context_token_ms <= 0:
             return None
         return policy_for(cost, ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms,
                                                context_tokens=self.context_tokens,
@@ -78,7 +82,9 @@ class SloPolicy:
 
 
 def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
-    budget = max(targets.block_size, token_budget(cost, targets.itl_ms, targets.context_tokens))
+    budget = token_budget(cost, targets.itl_ms, targets.context_tokens)
+    if budget < targets.block_size:
+        budget = max(targets.block_size, math.ceil(cost.fixed_ms / _token_ms(cost, targets.context_tokens)))
     chunk = budget // targets.block_size * targets.block_size
     slack = targets.ttft_ms - prefill_ms(cost, targets.typical_prompt_tokens, chunk)
     window = max(0.0, min(cost.fixed_ms, slack))
@@ -95,10 +101,15 @@ def prompt_share(targets: ServiceTargets) -> int:
 
 def token_budget(cost: StepCost, itl_ms: float, context_tokens: int) -> int:
     """The most tokens one step may compute and still end within `itl_ms` (0 when even one cannot)."""
+    return max(0, math.floor((itl_ms - cost.fixed_ms) / _token_ms(cost, context_tokens)))
+
+
+def _token_ms(cost: StepCost, context_tokens: int) -> float:
+    """What one more token costs a step when it reads `context_tokens` KV entries."""
     per_token = cost.per_token_ms + cost.per_context_token_ms * context_tokens
     if per_token <= 0:
         raise ValueError(f"a step cost with no per-token term cannot size a budget: {cost}")
-    return max(0, math.floor((itl_ms - cost.fixed_ms) / per_token))
+    return per_token
 
 
 def prefill_ms(cost: StepCost, prompt_tokens: int, chunk_size: int) -> float:

@@ -64,11 +64,19 @@ def test_full_budget_step_meets_the_itl_target() -> None:
     assert COST.step_ms(policy.max_num_batched_tokens + 1, (policy.max_num_batched_tokens + 1) * 1024) > 50
 
 
-def test_an_itl_target_the_worker_cannot_meet_gets_steps_of_one_block() -> None:
+def test_an_itl_target_the_worker_cannot_meet_gets_steps_whose_tokens_cost_the_fixed_cost() -> None:
     assert token_budget(COST, itl_ms=5, context_tokens=1024) == 0
+    # ceil(10 / 0.1524) = 66 tokens; chunk 64; prompts' share ceil(512 * 5 / 1000) = 3
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=5)) == BatchPolicyNumbers(
-        max_num_batched_tokens=16, max_num_seqs=13, chunk_size=16, batch_window_ms=10)
-    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)).max_num_batched_tokens == 16
+        max_num_batched_tokens=66, max_num_seqs=63, chunk_size=64, batch_window_ms=10)
+    assert token_budget(COST, itl_ms=11, context_tokens=1024) == 6  # under a block: the target is lost too
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)).max_num_batched_tokens == 66
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=12.5)).max_num_batched_tokens == 16
+
+
+def test_a_cost_model_without_a_per_token_term_is_refused() -> None:
+    with pytest.raises(ValueError, match="a step cost with no per-token term cannot size a budget"):
+        policy_for(StepCost(fixed_ms=10.0, per_token_ms=0.0, per_context_token_ms=0.0), targets(1000, 50))
 
 
 def test_a_prefill_worker_keeps_its_own_flags() -> None:
@@ -77,6 +85,12 @@ def test_a_prefill_worker_keeps_its_own_flags() -> None:
     expected = policy_for(COST, ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=512, typical_prompt_tokens=512,
                                                max_seqs_cap=256, block_size=16))
     assert slo.for_worker(COST, 16, WorkerRole.DECODE) == slo.for_worker(COST, 16, WorkerRole.COLOCATED) == expected
+
+
+def test_a_fit_without_a_per_token_cost_leaves_the_policy_as_it_is() -> None:
+    slo = SloPolicy(ttft_ms=1000, itl_ms=50, context_tokens=512, max_seqs_cap=256)
+    assert slo.for_worker(StepCost(fixed_ms=40.0, per_token_ms=0.0, per_context_token_ms=0.0), 16,
+                          WorkerRole.COLOCATED) is None
 
 
 def test_nonpositive_target_is_refused() -> None:
