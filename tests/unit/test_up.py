@@ -7,6 +7,7 @@ tests/integration/test_self_healing.py.
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import signal
@@ -25,7 +26,7 @@ import pytest
 from services.common.health_cli import check
 from services.common.tls import MutualTLS
 from tandem.cli.supervisor import Backoff, Child, RestartPolicy, StopRequest, Supervisor, stop_all
-from tandem.cli.up import Endpoint, _device_env, _devices, role_flags
+from tandem.cli.up import Endpoint, LocalSystem, UpConfig, _device_env, _devices, add_arguments, role_flags
 from tests.certificates import CertificateAuthority
 from tests.clock import FakeClock
 from tests.waiting import wait_until
@@ -429,3 +430,14 @@ def test_several_schedulers_without_redis_are_refused_before_anything_starts(mon
 def test_hybrid_mode_starts_decode_workers_that_prefill_too() -> None:
     assert [role_flags("hybrid", role) for role in ("prefill", "decode")] == [[], ["--hybrid"]]
     assert role_flags("disaggregated", "decode") == [] and role_flags("colocated", "colocated") == []
+
+
+def test_children_get_sleeping_openmp_threads_unless_the_user_chose(monkeypatch, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    config = UpConfig(**{name: getattr(args, name) for name in UpConfig.__dataclass_fields__})
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert LocalSystem(config, tmp_path, tmp_path / "logs", "t")._env["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert LocalSystem(config, tmp_path, tmp_path / "logs", "t")._env["OMP_WAIT_POLICY"] == "ACTIVE"
