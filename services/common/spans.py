@@ -61,7 +61,7 @@ class Attr:
     MODEL_EVICTED = "tandem.model.evicted"  # list of str: the models evicted to make room for it
     MIGRATION_FROM = "tandem.migration.from_worker"  # the generating worker of the attempt that ended
     MIGRATION_OFFSET = "tandem.migration.output_offset"  # tokens delivered before the continuation
-    # Conditional disaggregation (services/scheduler/prefill_placement.py), on the scheduler.route span:
+    # Conditional disaggregation (services/scheduler/prefill_placement.py), on the scheduler.submit span:
     PREFILL_PLACEMENT = "tandem.prefill.placement"  # "local" (on the decode worker) | "remote" (a prefill worker)
     PREFILL_PLACEMENT_REASON = "tandem.prefill.placement_reason"  # prefill_placement.Reason
     PREFILL_UNCACHED_TOKENS = "tandem.prefill.uncached_tokens"  # the decode worker's prefix hit taken off
@@ -74,16 +74,16 @@ class SpanName:
     """The hops of one request, in the order they happen. The root, the gateway's HTTP or gRPC
     server span, is named as the GenAI conventions ask: see `gateway_span_name`."""
 
+    # The scheduler's one span, from the Submit call to the request's end: its queue wait ends at the
+    # `admitted` event, the routing decision (attributes: workers, candidate scores) at `routed`; from
+    # there the request runs on its workers, the tokens flowing beside the scheduler to the gateway.
     SCHEDULER_SUBMIT = "scheduler.submit"
-    SCHEDULER_QUEUE = "scheduler.queue"  # wait for admission
-    SCHEDULER_ROUTE = "scheduler.route"  # the routing decision, with candidate scores
     PREFILL = "prefill.request"  # the request's stay on a prefill worker
     PREFILL_ITERATION = "prefill.iteration"  # one per iteration (chunk) the request was part of
     KV_SEND = "kv_transfer.send"
     KV_RECEIVE = "kv_transfer.receive"
     DECODE = "decode.request"
     COLOCATED = "colocated.request"  # a colocated worker's stay: its prefill iterations, then its decode
-    RELAY = "scheduler.relay"  # token events relayed back to the gateway
     MODEL_LOAD = "worker.model_load"  # a worker loading a catalogue model (not a request's hop)
 
 
@@ -98,6 +98,9 @@ class Event:
     FIRST_TOKEN = "first_token"
     PREEMPTED = "preempted"
     MIGRATED = "migrated"  # the request moved to another worker after its worker was lost
+    ADMITTED = "admitted"  # scheduler.submit: the request left the scheduler's queue (once per turn)
+    ROUTED = "routed"  # scheduler.submit: its workers were chosen (the route attributes are set then)
+    NO_ROOM = "no_decode_room"  # scheduler.submit: every decode worker refused its reservation; back to the queue
 
 
 @dataclass(slots=True)

@@ -33,8 +33,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -132,8 +131,7 @@ class Dispatcher:
             if request.migration:
                 self._count_migration(state)
             yield scheduler_pb2.SubmitEvent(placement=self._placement(state))
-            with self._running_span(state):
-                lost = await state.ending.wait(state.deadline.remaining)
+            lost = await state.ending.wait(state.deadline.remaining)
             if lost is not None:
                 state.moved = True
                 yield scheduler_pb2.SubmitEvent(lost=scheduler_pb2.AttemptLost(worker_id=lost.worker_id,
@@ -250,16 +248,16 @@ class Dispatcher:
         """Wait until the ticket is let in; False when the request left the queue (aborted)."""
         assert state.ticket is not None
         turn = state.ticket.turn
-        with self._child_span(state, SpanName.SCHEDULER_QUEUE):
-            self._update_gauges()
-            if not turn.done():  # else it was let in at once: nothing to wait for
-                try:
-                    await asyncio.wait_for(asyncio.shield(turn), state.deadline.remaining())
-                except TimeoutError:
-                    raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
-                                           f"queue ({self.admission.waiting} waiting)") from None
+        self._update_gauges()
+        if not turn.done():  # else it was let in at once: nothing to wait for
+            try:
+                await asyncio.wait_for(asyncio.shield(turn), state.deadline.remaining())
+            except TimeoutError:
+                raise DeadlineExceeded(f"request {state.request_id}: its deadline passed in the scheduler's "
+                                       f"queue ({self.admission.waiting} waiting)") from None
         if not state.migrations:
             state.queued_s = time.monotonic() - state.arrival
+        state.span.add_event(Event.ADMITTED)
         return turn.result() and not state.ending.closed
 
     def _ready(self, state: RequestState) -> bool:
@@ -274,28 +272,18 @@ class Dispatcher:
         """Route the request, reserve its decode blocks, and start it on its workers. False when no
         decode worker had room for it after all; True once it started, or its stream ended meanwhile."""
         self._check_fits(state)
-        with self._child_span(state, SpanName.SCHEDULER_ROUTE) as span:
-            plan = await plan_route(self.registry, self.inflight, state.placement.request, self.placement)
-            if state.ending.closed:
-                return True
-            self._assign_prefill(state, plan)
-            decode, block_ids = None, []
-            if not plan.colocated:
-                reserved = await self._launcher.reserve(state, plan)
-                if reserved is None:
-                    span.set_attribute(Attr.ROUTE_SCORES, plan.scores_json())
-                    return state.ending.closed
-                decode, block_ids = reserved
-            state.route = plan.route_info(state.request_id, decode.worker_id if decode else "",
-                                          state.placement.reserved_blocks)
-            self.counters.routes.append(state.route)
-            span.set_attributes({Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
-                                 Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id,
-                                 Attr.ROUTE_SCORES: plan.scores_json()})
-            if plan.placement is not None:
-                span.set_attributes(plan.placement.span_attributes())
-                self._metrics.prefill_placement(plan.placement.site, plan.placement.reason,
-                                                state.request.model).inc()
+        plan = await plan_route(self.registry, self.inflight, state.placement.request, self.placement)
+        if state.ending.closed:
+            return True
+        self._assign_prefill(state, plan)
+        decode, block_ids = None, []
+        if not plan.colocated:
+            reserved = await self._launcher.reserve(state, plan)
+            if reserved is None:
+                state.span.add_event(Event.NO_ROOM, {Attr.ROUTE_SCORES: plan.scores_json()})
+                return state.ending.closed
+            decode, block_ids = reserved
+        self._record_route(state, plan, decode.worker_id if decode else "")
         if state.ending.closed:
             return True
         self.inflight.advance(state, Status.PREFILLING)
@@ -305,6 +293,18 @@ class Dispatcher:
         else:
             self._launcher.prefill(state, block_ids)
         return True
+
+    def _record_route(self, state: RequestState, plan: RoutePlan, decode_worker_id: str) -> None:
+        """The decision, in the stats' recent routes and on the request's span (its `routed` event)."""
+        state.route = plan.route_info(state.request_id, decode_worker_id, state.placement.reserved_blocks)
+        self.counters.routes.append(state.route)
+        attributes = {Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
+                      Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id, Attr.ROUTE_SCORES: plan.scores_json()}
+        if plan.placement is not None:
+            attributes |= plan.placement.span_attributes()
+            self._metrics.prefill_placement(plan.placement.site, plan.placement.reason, state.request.model).inc()
+        state.span.set_attributes(attributes)
+        state.span.add_event(Event.ROUTED)
 
     def _assign_prefill(self, state: RequestState, plan: RoutePlan) -> None:
         best = plan.prefill[0]
@@ -336,6 +336,9 @@ class Dispatcher:
         reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
         if reason is not None:
             self._metrics.request_success(reason, state.request.model).inc()
+            state.span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
+        if state.placement.launched:
+            state.span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, state.output_tokens)
         self._update_gauges()
         if outcome in (Outcome.FAILED, Outcome.REJECTED):
             state.span.set_status(trace.StatusCode.ERROR, str(state.error))
@@ -382,30 +385,6 @@ class Dispatcher:
         return True
 
     # -- helpers -------------------------------------------------------------------------------
-
-    @contextmanager
-    def _child_span(self, state: RequestState, name: str) -> Iterator[trace.Span]:
-        span = self._tracer.start_span(name, context=trace.set_span_in_context(state.span))
-        try:
-            yield span
-        except Exception as exc:
-            span.set_status(trace.StatusCode.ERROR, str(exc))
-            raise
-        finally:
-            span.end()
-
-    @contextmanager
-    def _running_span(self, state: RequestState) -> Iterator[None]:
-        """The request running on its workers, from its placement to its end (the `scheduler.relay`
-        span: the tokens flow beside it, from the workers to the gateway)."""
-        with self._child_span(state, SpanName.RELAY) as span:
-            try:
-                yield
-            finally:
-                span.set_attribute(Attr.GEN_AI_USAGE_OUTPUT_TOKENS, state.output_tokens)
-                reason = FINISH_REASON_FROM_PROTO.get(state.finish_reason)
-                if reason is not None:
-                    span.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
 
     def _let_in(self) -> None:
         """Capacity or a worker's room may have grown: let waiting requests in."""

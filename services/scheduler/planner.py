@@ -26,7 +26,7 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Candidate, Score, blocks_for, cached_tokens, rank_decode, rank_prefill
 from tandem.v1 import scheduler_pb2
 
-RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, routing span), best first
+RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, the request's span), best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class RoutePlan:
             degraded=self.degraded)
 
     def scores_json(self) -> str:
-        """The best candidates' score breakdowns (RECORDED_SCORES of each kind), for the routing span."""
+        """The best candidates' score breakdowns (RECORDED_SCORES of each kind), for the request's span."""
         scores = {s.worker_id: {"cost": s.cost, "cached_blocks": s.cached_blocks,
                                 "queued_prefill_tokens": s.queued_prefill_tokens}
                   for s in self.prefill[:RECORDED_SCORES]}

@@ -59,7 +59,7 @@ class PrefillDecision:
     step_ms: float | None = None  # the predicted next step with the prefill (None: no cost model was used)
 
     def span_attributes(self) -> dict[str, str | int | float]:
-        """The decision and what it was made from, for the routing span."""
+        """The decision and what it was made from, for the request's span."""
         attributes: dict[str, str | int | float] = {
             Attr.PREFILL_PLACEMENT: self.site.value, Attr.PREFILL_PLACEMENT_REASON: self.reason.value,
             Attr.PREFILL_UNCACHED_TOKENS: self.inputs.uncached_tokens,

@@ -166,21 +166,21 @@ def ttft_phases(spans: Iterable[SpanRecord]) -> list[Phase]:
     """Where the time to first token went, in order: the gateway before the scheduler's queue, the
     queue, routing, prefill (until its first token), the KV transfer, and the decode worker's first
     step (from the KV's arrival to its first token). A phase whose spans are missing is left out; a
-    colocated worker has no transfer and its prefill ends at its first token."""
+    colocated worker has no transfer and its prefill ends at its first token. The queue and routing
+    are stretches of the scheduler's span, up to its last `admitted` and `routed` events (a request
+    sent back to the queue for lack of decode room queues again)."""
     by_name: dict[str, SpanRecord] = {}
     for span in sorted(spans, key=lambda s: s.start_ns):
         by_name.setdefault(span.name if span.parent_span_id else "root", span)
-    root, queue = by_name.get("root"), by_name.get(SpanName.SCHEDULER_QUEUE)
-    route = by_name.get(SpanName.SCHEDULER_ROUTE)
+    root, submit = by_name.get("root"), by_name.get(SpanName.SCHEDULER_SUBMIT)
     prefill = by_name.get(SpanName.PREFILL) or by_name.get(SpanName.COLOCATED)
     sent, received = by_name.get(SpanName.KV_SEND), by_name.get(SpanName.KV_RECEIVE)
     decode = by_name.get(SpanName.DECODE)
     phases = []
-    if root and queue:
-        phases.append(Phase("gateway", root.start_ns, queue.start_ns))
-    for name, span in (("queue", queue), ("routing", route)):
-        if span:
-            phases.append(Phase(name, span.start_ns, span.end_ns))
+    if root and submit:
+        phases.append(Phase("gateway", root.start_ns, submit.start_ns))
+    if submit:
+        phases += _scheduler_phases(submit)
     if prefill:
         phases.append(Phase("prefill", prefill.start_ns, _first_token_ns(prefill) or prefill.end_ns))
     if sent:
@@ -188,6 +188,22 @@ def ttft_phases(spans: Iterable[SpanRecord]) -> list[Phase]:
     if decode and (first := _first_token_ns(decode)):
         phases.append(Phase("first decode step", received.end_ns if received else decode.start_ns, first))
     return phases
+
+
+def _scheduler_phases(submit: SpanRecord) -> list[Phase]:
+    """The queue (the span's start to its last `admitted`) and routing (from there to the last `routed`)."""
+    admitted = _last_event_ns(submit, Event.ADMITTED)
+    if admitted is None:
+        return []
+    phases = [Phase("queue", submit.start_ns, admitted)]
+    routed = _last_event_ns(submit, Event.ROUTED)
+    if routed is not None and routed >= admitted:
+        phases.append(Phase("routing", admitted, routed))
+    return phases
+
+
+def _last_event_ns(span: SpanRecord, name: str) -> int | None:
+    return max((e.time_ns for e in span.events if e.name == name), default=None)
 
 
 def _first_token_ns(span: SpanRecord) -> int | None:

@@ -49,11 +49,12 @@ def placements(mesh: Mesh) -> dict[tuple[str, str], float]:
 
 
 def route_span(run_dir: Path, request_id: str) -> SpanRecord:
+    """The scheduler's span of the request, which carries its routing decision (written as the request ends)."""
     def found() -> SpanRecord | None:
         return next((s for s in load_span_files(run_dir).spans
-                     if s.name == SpanName.SCHEDULER_ROUTE and s.request_id == request_id), None)
+                     if s.name == SpanName.SCHEDULER_SUBMIT and s.request_id == request_id), None)
 
-    return wait_until(found, f"the scheduler.route span of {request_id}")
+    return wait_until(found, f"the scheduler.submit span of {request_id}")
 
 
 def test_a_short_prompt_prefills_on_the_decode_worker_a_long_one_on_the_prefill_worker(

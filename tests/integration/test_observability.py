@@ -45,7 +45,7 @@ ENV = {
 NO_OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}  # span files
 # Spans of a request besides its prefill iterations: gateway, scheduler submit/queue/route/relay,
 # prefill request, KV send and receive, decode.
-HOPS = 9
+HOPS = 6
 # Every request here is a completion of the default model: the gateway names its root span so.
 ROOT = gateway_span_name("text_completion", DEFAULT_MODEL_NAME)
 
@@ -145,17 +145,21 @@ def leaf(name: str, service: str) -> tuple:
 
 
 def expected_tree(prefill_iterations: int) -> tuple:
-    """DESIGN section 3: gateway -> scheduler (queue, route, relay) -> prefill (iterations, KV send ->
-    KV receive on the decode worker) and decode, every hop a child of the one that caused it."""
+    """DESIGN section 3: gateway -> scheduler (one span: its queue and route are events on it) ->
+    prefill (iterations, KV send -> KV receive on the decode worker) and decode, every hop a child
+    of the one that caused it."""
     prefill = ("prefill.request", "prefill", (
         *[leaf("prefill.iteration", "prefill")] * prefill_iterations,
         ("kv_transfer.send", "prefill", (leaf("kv_transfer.receive", "decode"),)),
     ))
-    submit = ("scheduler.submit", "scheduler", (
-        leaf("scheduler.queue", "scheduler"), leaf("scheduler.route", "scheduler"), prefill,
-        leaf("decode.request", "decode"), leaf("scheduler.relay", "scheduler"),
-    ))
+    submit = ("scheduler.submit", "scheduler", (prefill, leaf("decode.request", "decode")))
     return normalized(((ROOT, "gateway", (submit,)),))
+
+
+def queue_ns(submit: SpanRecord) -> int:
+    """The request's wait in the scheduler's queue: from its span's start to its admission."""
+    (admitted,) = [e.time_ns for e in submit.events if e.name == Event.ADMITTED]
+    return admitted - submit.start_ns
 
 
 def iterations(spans: list[SpanRecord]) -> list[tuple[int, int, int]]:
@@ -215,9 +219,13 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
     assert first_token.name == Event.FIRST_TOKEN
     assert root.attributes[Attr.TTFT_S] == pytest.approx((first_token.time_ns - root.start_ns) / 1e9, abs=1e-6)
     assert 0 < root.attributes[Attr.ITL_MEAN_S] <= root.attributes[Attr.ITL_MAX_S]
-    assert one(spans, SpanName.SCHEDULER_SUBMIT).attributes[Attr.GEN_AI_REQUEST_MODEL] == model_name
+    submit = one(spans, SpanName.SCHEDULER_SUBMIT)
+    assert submit.attributes[Attr.GEN_AI_REQUEST_MODEL] == model_name
+    assert [e.name for e in submit.events] == [Event.ADMITTED, Event.ROUTED]
+    admitted, routed = (e.time_ns for e in submit.events)
+    assert submit.start_ns <= admitted <= routed <= one(spans, SpanName.PREFILL).start_ns
 
-    routing = one(spans, SpanName.SCHEDULER_ROUTE).attributes
+    routing = submit.attributes
     assert routing[Attr.ROUTE_PREFILL_WORKER] == route.prefill_worker_id
     assert routing[Attr.ROUTE_DECODE_WORKER] == route.decode_worker_id
     scores = json.loads(routing[Attr.ROUTE_SCORES])
@@ -248,9 +256,8 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
     assert [e.name for e in decode.events] == [Event.FIRST_TOKEN]
     assert 0 < decode.attributes[Attr.ITL_MEAN_S] <= decode.attributes[Attr.ITL_MAX_S]
 
-    relay = one(spans, SpanName.RELAY)
-    assert relay.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
-    assert relay.attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert submit.attributes[Attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
+    assert submit.attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
     assert all(s.status != "ERROR" for s in spans)
 
 
@@ -271,7 +278,7 @@ def test_a_prefix_cache_hit_shows_in_the_prefill_span(mesh, run_dir):
     warm_prefill = one(warm_spans, SpanName.PREFILL).attributes
     assert (warm_prefill[Attr.PREFILL_TOKENS_COMPUTED], warm_prefill[Attr.PREFILL_TOKENS_CACHED]) == (8, 64)
     assert iterations(warm_spans) == [(8, 64, 1)]
-    scores = json.loads(one(warm_spans, SpanName.SCHEDULER_ROUTE).attributes[Attr.ROUTE_SCORES])
+    scores = json.loads(one(warm_spans, SpanName.SCHEDULER_SUBMIT).attributes[Attr.ROUTE_SCORES])
     assert scores[route_of(mesh, "obs-prefix-warm").prefill_worker_id]["cached_blocks"] == 4
     # the decode worker reuses the shared prefix's 4 blocks from its own prefix cache: of the prompt's
     # 5 blocks of KV, only the last one is shipped
@@ -342,11 +349,11 @@ def test_tandem_trace_prints_every_hop_in_order_and_its_json_matches_the_spans(m
     rows = waterfall_rows(text)
     assert rows == [(depth, node["name"]) for depth, node in nodes]
     names = [name for _, name in rows]
-    hops = [ROOT, "scheduler.submit", "scheduler.queue", "scheduler.route", "prefill.request",
-            "prefill.iteration", "kv_transfer.send", "kv_transfer.receive", "decode.request"]
+    hops = [ROOT, "scheduler.submit", "prefill.request", "prefill.iteration", "kv_transfer.send",
+            "kv_transfer.receive", "decode.request"]
     positions = [names.index(hop) for hop in hops]
     assert positions == sorted(positions)
-    assert names.index("scheduler.relay") > names.index("scheduler.route")
+    assert re.search(r"admitted@[\d.]+ms  routed@[\d.]+ms", text)
     assert f"kv.bytes={kv_bytes(40)}" in text and f"kv.chunks={NUM_LAYERS * 2}" in text
     assert "decode.iterations=3" in text and "usage.output_tokens=4" in text
 
@@ -476,7 +483,7 @@ def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
     assert e2e <= sum(one(s, ROOT).duration_ns for s in spans.values()) / 1e9
     sends = sum(one(s, SpanName.KV_SEND).duration_ns for s in spans.values()) / 1e9
     assert delta("prefill", "tandem:kv_transfer_seconds_sum") == pytest.approx(sends, abs=0.005 * n)
-    queued = sum(one(s, SpanName.SCHEDULER_QUEUE).duration_ns for s in spans.values()) / 1e9
+    queued = sum(queue_ns(one(s, SpanName.SCHEDULER_SUBMIT)) for s in spans.values()) / 1e9
     assert delta("scheduler", "tandem:request_queue_time_seconds_sum") == pytest.approx(queued, abs=0.005 * n)
 
 
@@ -515,19 +522,16 @@ def test_a_dead_otlp_endpoint_fails_no_request_and_is_reported(tmp_path, default
 
 # -- colocated mode ----------------------------------------------------------------------------
 
-# Spans of a colocated request besides its prefill iterations: gateway, scheduler submit/queue/
-# route/relay, and the worker's request span.
-COLOCATED_HOPS = 6
+# Spans of a colocated request besides its prefill iterations: gateway, scheduler, and the worker's
+# request span.
+COLOCATED_HOPS = 3
 
 
 def colocated_tree(prefill_iterations: int) -> tuple:
     """One worker prefills and decodes: the scheduler's child is its request span, and the request
     span's children are the iterations that computed the prompt (no transfer, no decode span)."""
     worker = ("colocated.request", "colocated", (leaf("prefill.iteration", "colocated"),) * prefill_iterations)
-    submit = ("scheduler.submit", "scheduler", (
-        leaf("scheduler.queue", "scheduler"), leaf("scheduler.route", "scheduler"), worker,
-        leaf("scheduler.relay", "scheduler"),
-    ))
+    submit = ("scheduler.submit", "scheduler", (worker,))
     return normalized(((ROOT, "gateway", (submit,)),))
 
 

@@ -18,6 +18,7 @@ report the rest on its own; `hold` keeps a decode worker from finishing (it repo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -489,6 +490,31 @@ async def test_reserves_refused_on_a_stale_report_wait_for_the_next_report_in_or
         assert [r.request_id for r in decode.called("Reserve")] == ["first", "first", "second"]
         stats = await mesh.idle()
         assert (stats.completed, stats.rejected, stats.failed) == (2, 0, 0)
+
+
+async def test_the_scheduler_records_one_span_a_request_its_queue_and_route_as_events() -> None:
+    spans = InMemorySpanExporter()
+    async with scheduler("p-0", "d-0", spans=spans, **{"d-0": dict(refuse=True)}) as mesh:
+        decode = mesh.workers["d-0"]
+        call = mesh.submit("r1", max_tokens=3)
+        await eventually(lambda: decode.called("Reserve") and mesh.dispatcher.admission.waiting == 1,
+                         'decode.called("Reserve") and mesh.dispatcher.admission.waiting == 1')
+        decode.refuse = False
+        assert await decode.heartbeat()
+        await completes(call)
+        await mesh.idle()
+    (submit,) = spans.get_finished_spans()
+    assert submit.name == SpanName.SCHEDULER_SUBMIT
+    assert [e.name for e in submit.events] == [  # the refused Reserve is an exception event (failures.py)
+        Event.ADMITTED, "exception", Event.NO_ROOM, Event.ADMITTED, Event.ROUTED]
+    assert set(json.loads(submit.events[2].attributes[Attr.ROUTE_SCORES])) == {"p-0", "d-0"}
+    times = [submit.start_time, *(e.timestamp for e in submit.events), submit.end_time]
+    assert times == sorted(times)
+    attributes = dict(submit.attributes)
+    assert {k: attributes[k] for k in (Attr.ROUTE_PREFILL_WORKER, Attr.ROUTE_DECODE_WORKER,
+                                       Attr.GEN_AI_USAGE_OUTPUT_TOKENS)} == {
+        Attr.ROUTE_PREFILL_WORKER: "p-0", Attr.ROUTE_DECODE_WORKER: "d-0", Attr.GEN_AI_USAGE_OUTPUT_TOKENS: 3}
+    assert attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
 
 
 async def test_a_prompt_no_decode_worker_can_ever_hold_is_invalid_argument() -> None:

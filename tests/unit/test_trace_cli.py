@@ -17,6 +17,7 @@ import pytest
 
 from services.common.spans import (
     Attr,
+    Event,
     SpanEvent,
     SpanName,
     SpanRecord,
@@ -28,6 +29,7 @@ from services.common.spans import (
 from services.common.tracing import extract_context, inject_metadata, setup_tracing
 from tandem.cli import main as cli
 from tandem.cli import trace
+from tandem.cli.trace_view import ttft_phases
 
 GATEWAY = gateway_span_name("chat", "SmolLM2-135M-Instruct")
 T0 = 1_700_000_000_000_000_000
@@ -63,13 +65,14 @@ def _request_7() -> list[SpanRecord]:
     prefill.events = [SpanEvent("first_token", T0 + 111 * MS)]
     decode = _span(11, 2, SpanName.DECODE, "decode", 128, 395, instance=DECODE, **{Attr.DECODE_ITERATIONS: 19})
     decode.events = [SpanEvent("first_token", T0 + 135 * MS)]
+    # The scheduler's one span: queued from 3 to 8 ms, routed at 9 ms.
+    submit = _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 3, 398, **{
+        Attr.ROUTE_PREFILL_WORKER: PREFILL, Attr.ROUTE_DECODE_WORKER: DECODE,
+        Attr.ROUTE_SCORES: json.dumps({PREFILL: {"cached_tokens": 16, "queued_tokens": 0}})})
+    submit.events = [SpanEvent(Event.ADMITTED, T0 + 8 * MS), SpanEvent(Event.ROUTED, T0 + 9 * MS)]
     return [
         root,
-        _span(2, 1, SpanName.SCHEDULER_SUBMIT, "scheduler", 2, 398),
-        _span(3, 2, SpanName.SCHEDULER_QUEUE, "scheduler", 3, 8),
-        _span(4, 2, SpanName.SCHEDULER_ROUTE, "scheduler", 8, 9, **{
-            Attr.ROUTE_PREFILL_WORKER: PREFILL, Attr.ROUTE_DECODE_WORKER: DECODE,
-            Attr.ROUTE_SCORES: json.dumps({PREFILL: {"cached_tokens": 16, "queued_tokens": 0}})}),
+        submit,
         prefill,
         _span(6, 5, SpanName.PREFILL_ITERATION, "prefill", 11, 60, instance=PREFILL, **{
             Attr.PREFILL_TOKENS_COMPUTED: 8, Attr.PREFILL_TOKENS_CACHED: 16, Attr.BATCH_SIZE: 2}),
@@ -77,20 +80,17 @@ def _request_7() -> list[SpanRecord]:
             Attr.PREFILL_TOKENS_COMPUTED: 4, Attr.PREFILL_TOKENS_CACHED: 0, Attr.BATCH_SIZE: 1}),
         _span(8, 5, SpanName.KV_SEND, "prefill", 112, 128, instance=PREFILL, **{
             Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30, Attr.KV_MB_PER_S: 34.56}),
-        _span(9, 8, SpanName.KV_RECEIVE, "decode", 113, 127, instance=DECODE, **{
-            Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30}),
         # Spans are selected by trace, so one that lacks the request id still belongs.
-        _span(10, 2, SpanName.RELAY, "scheduler", 120, 398, request_id=None),
+        _span(9, 8, SpanName.KV_RECEIVE, "decode", 113, 127, instance=DECODE, request_id=None, **{
+            Attr.KV_BLOCKS: 2, Attr.KV_BYTES: 552960, Attr.KV_CHUNKS: 30}),
         decode,
     ]
 
 
 # Pre-order of the tree above: (depth, name).
 EXPECTED_ROWS = [
-    (0, GATEWAY), (1, SpanName.SCHEDULER_SUBMIT), (2, SpanName.SCHEDULER_QUEUE),
-    (2, SpanName.SCHEDULER_ROUTE), (2, SpanName.PREFILL), (3, SpanName.PREFILL_ITERATION),
-    (3, SpanName.PREFILL_ITERATION), (3, SpanName.KV_SEND), (4, SpanName.KV_RECEIVE), (2, SpanName.RELAY),
-    (2, SpanName.DECODE),
+    (0, GATEWAY), (1, SpanName.SCHEDULER_SUBMIT), (2, SpanName.PREFILL), (3, SpanName.PREFILL_ITERATION),
+    (3, SpanName.PREFILL_ITERATION), (3, SpanName.KV_SEND), (4, SpanName.KV_RECEIVE), (2, SpanName.DECODE),
 ]
 
 
@@ -152,8 +152,11 @@ def test_text_waterfall_shows_every_hop_in_order(run_dir: Path, capsys: pytest.C
 
     assert code == 0
     assert _rows(out) == EXPECTED_ROWS
-    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  11 spans  400.0ms"
+    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  8 spans  400.0ms"
     lines = out.splitlines()
+    submit_row = next(i for i, line in enumerate(lines) if line.lstrip().startswith(SpanName.SCHEDULER_SUBMIT))
+    assert lines[submit_row + 1].split()[:2] == [f"route.prefill_worker={PREFILL}", f"route.decode_worker={DECODE}"]
+    assert lines[submit_row + 1].split()[-2:] == ["admitted@8.0ms", "routed@9.0ms"]
     first_chunk = next(i for i, line in enumerate(lines) if line.lstrip().startswith(SpanName.PREFILL_ITERATION))
     assert lines[first_chunk].split()[1:4] == [f"prefill@{PREFILL}", "11.0ms", "49.0ms"]
     assert lines[first_chunk + 1].split() == ["prefill.tokens_computed=8", "prefill.tokens_cached=16", "batch_size=2"]
@@ -225,7 +228,7 @@ def test_a_span_still_open_marks_the_trace_incomplete(tmp_path: Path, capsys: py
 
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path))
     assert code == trace.EXIT_INCOMPLETE == 3
-    assert out.splitlines()[0] == (f"request req-7  trace {TRACE}  4 services  10 spans  400.0ms  "
+    assert out.splitlines()[0] == (f"request req-7  trace {TRACE}  4 services  7 spans  400.0ms  "
                                    "INCOMPLETE: 1 span(s) not written yet (decode.request)")
     assert err == ("tandem trace: trace incomplete: 1 span(s) not written yet (decode.request); rerun in a "
                    "moment, or pass --wait SECONDS\n")
@@ -237,15 +240,15 @@ def test_a_span_still_open_marks_the_trace_incomplete(tmp_path: Path, capsys: py
 
 def test_spans_whose_parent_is_not_written_mark_the_trace_incomplete(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The scheduler's span and its start line are both missing: its five children are orphans.
+    # The scheduler's span and its start line are both missing: its two children (prefill, decode) are orphans.
     spans = [s for s in _request_7() if s.name != SpanName.SCHEDULER_SUBMIT]
     _write(tmp_path, spans, started=spans)
 
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--format", "json")
     document = json.loads(out)
     assert (code, document["complete"]) == (3, False)
-    assert document["missing"] == "5 span(s) whose parent is not written yet"
-    assert err.startswith("tandem trace: trace incomplete: 5 span(s) whose parent is not written yet;")
+    assert document["missing"] == "2 span(s) whose parent is not written yet"
+    assert err.startswith("tandem trace: trace incomplete: 2 span(s) whose parent is not written yet;")
 
 
 def test_a_request_with_only_start_lines_is_still_running(tmp_path: Path,
@@ -273,7 +276,7 @@ def test_wait_polls_until_the_trace_is_whole(tmp_path: Path, monkeypatch: pytest
     code, out, err = _run(capsys, "req-7", "--run-dir", str(tmp_path), "--wait", "30")
     assert (code, err, len(polls)) == (0, "", 1)
     assert _rows(out) == EXPECTED_ROWS
-    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  11 spans  400.0ms"
+    assert out.splitlines()[0] == f"request req-7  trace {TRACE}  4 services  8 spans  400.0ms"
 
 
 def test_wait_gives_up_on_a_trace_that_stays_incomplete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -447,3 +450,12 @@ def test_json_carries_the_ttft_phases(run_dir: Path, capsys: pytest.CaptureFixtu
     assert [(p["phase"], p["start_ms"], p["duration_ms"]) for p in json.loads(out)["ttft_phases"]] == [
         ("gateway", 0.0, 3.0), ("queue", 3.0, 5.0), ("routing", 8.0, 1.0), ("prefill", 10.0, 101.0),
         ("transfer", 112.0, 15.0), ("first decode step", 127.0, 8.0)]
+
+
+def test_a_request_sent_back_to_the_queue_queues_until_its_last_admission() -> None:
+    submit = _by_name(SpanName.SCHEDULER_SUBMIT)
+    submit.events = [SpanEvent(Event.ADMITTED, T0 + 5 * MS), SpanEvent(Event.NO_ROOM, T0 + 6 * MS),
+                     SpanEvent(Event.ADMITTED, T0 + 20 * MS), SpanEvent(Event.ROUTED, T0 + 22 * MS)]
+    phases = ttft_phases([_by_name(GATEWAY), submit])
+    assert [(p.name, (p.start_ns - T0) // MS, p.duration_ns // MS) for p in phases] == [
+        ("gateway", 0, 3), ("queue", 3, 17), ("routing", 20, 2)]

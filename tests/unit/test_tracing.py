@@ -39,6 +39,7 @@ GENAI_REQUEST = {
     Attr.GEN_AI_REQUEST_TOP_P: 1.0,
 }
 GATEWAY = gateway_span_name("chat", "SmolLM2-135M-Instruct")
+CHILD = "scheduler.child"  # a span the scheduler starts under its own, in the same process
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +64,7 @@ def test_spans_of_two_services_link_through_grpc_metadata(tmp_path: Path) -> Non
         # The servicer starts its span under the remote context without making it current,
         # as a worker thread would: the request id must still arrive through baggage.
         submit = tracer.start_span(SpanName.SCHEDULER_SUBMIT, context=remote, kind=SpanKind.SERVER)
-        with tracer.start_as_current_span(SpanName.SCHEDULER_QUEUE, context=trace.set_span_in_context(submit)):
+        with tracer.start_as_current_span(CHILD, context=trace.set_span_in_context(submit)):
             pass
         submit.end()
         root.set_attribute(Attr.GEN_AI_RESPONSE_FINISH_REASONS, ["stop"])
@@ -75,7 +76,7 @@ def test_spans_of_two_services_link_through_grpc_metadata(tmp_path: Path) -> Non
     loaded = load_span_files(tmp_path)
     spans = _by_name(loaded.spans)
     root_span, submit_span, queue_span = (spans[n] for n in (GATEWAY, SpanName.SCHEDULER_SUBMIT,
-                                                              SpanName.SCHEDULER_QUEUE))
+                                                              CHILD))
     assert [p.name for p in loaded.files] == ["spans-gateway.jsonl", "spans-scheduler.jsonl"]
     assert len(loaded.spans) == 3 and loaded.malformed_lines == 0
     assert dict(metadata)["traceparent"] == f"00-{root_span.trace_id}-{root_span.span_id}-03"
