@@ -79,7 +79,10 @@ def catalogue(record: WorkerRecord) -> tuple[str, ...]:
 
 
 def can_serve(record: WorkerRecord, model: str) -> bool:
-    return model in catalogue(record)
+    """`model in catalogue(record)`, without building a one-model worker's catalogue (routing asks per
+    worker on every request)."""
+    info = record.info
+    return model in info.catalogue if info.catalogue else model == info.model
 
 
 def residency(record: WorkerRecord) -> tuple[ModelResidency, ...]:
@@ -98,7 +101,10 @@ def _pinned_primary(model: str) -> tuple[ModelResidency, ...]:
 
 def holding(record: WorkerRecord, model: str) -> ModelResidency | None:
     """The worker's residency of `model` (resident or loading), None when it holds no copy."""
-    return next((m for m in residency(record) if m.name == model), None)
+    for held in residency(record):
+        if held.name == model:
+            return held
+    return None
 
 
 def routing_map(records: Iterable[WorkerRecord]) -> dict[str, list[str]]:
