@@ -77,6 +77,23 @@ def tandem_up(up_args: list[str]) -> Iterator[str]:
             yield mesh.http_url
         finally:
             mesh.stop()
+            for line in applied_policies(Path(run_dir)):
+                print(line, file=sys.stderr, flush=True)
+
+
+POLICY_LOG = "applying the scheduler's batch policy "
+
+
+def applied_policies(run_dir: Path) -> list[str]:
+    """Each worker's last batching policy under SLOs and its step-cost fit then, from its log
+    (services/worker/runtime.py logs every change): what the scheduler made of the run."""
+    lines = []
+    for log in sorted(run_dir.rglob("*.log")):
+        applied = [line for line in log.read_text(errors="replace").splitlines() if POLICY_LOG in line]
+        if applied:
+            lines.append(f"{log.stem}: {len(applied)} policy change(s), the last "
+                         f"{applied[-1].split(POLICY_LOG, 1)[1]}")
+    return lines
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from bench import loadgen
 from bench.loadgen import (
     RequestResult, Scenario, Slo, default_scenarios, percentile, prompt_text, stream_completion, summarize,
 )
-from bench.serve import Server, chosen_scenarios, parse_args, ratios
+from bench.serve import Server, applied_policies, chosen_scenarios, parse_args, ratios
 
 
 def test_long_prompt_mix_puts_every_fourth_prompt_at_1000_words():
@@ -162,3 +162,14 @@ def test_run_scenario_cuts_a_stalled_stream_at_the_time_limit_and_keeps_what_it_
     assert first.error == second.error == "not finished within the scenario's 2 s"
     assert second.ttft_s is None  # never sent: the only slot stayed busy
     assert wall_s >= 2.0
+
+
+def test_applied_policies_names_each_worker_with_its_last_policy(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    line = "2026-12-01 16:54:58,989 INFO colocated services.worker.runtime: applying the scheduler's batch policy "
+    (logs / "colocated-0.log").write_text(f"{line}{{'max_num_batched_tokens': 21}} (window 0 ms)\nother\n"
+                                          f"{line}{{'max_num_batched_tokens': 32}} (window 0 ms)\n")
+    (logs / "gateway.log").write_text("nothing about policies\n")
+    assert applied_policies(tmp_path) == [
+        "colocated-0: 2 policy change(s), the last {'max_num_batched_tokens': 32} (window 0 ms)"]
