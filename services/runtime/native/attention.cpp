@@ -2,7 +2,7 @@
 // float32 scores, softmax and sums whatever the cache's dtype, grouped-query heads sharing each key
 // and value row as it is read. Replaces attention.TorchAttention._decode's gather, copies, two
 // batched matrix products and softmax (~14 ATen ops a layer); same math, float32 rounding order.
-#include "common.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <vector>
@@ -85,23 +85,24 @@ void check_tables(const Layout& l, const int64_t* tables, const int64_t* lens) {
   }
 }
 
-// One sequence, one KV head, the query heads `group` of them that share it.
+inline int64_t slot_offset(const Layout& l, const int64_t* table, int64_t t, int64_t kv_head) {
+  return ((table[t / l.block_size] * l.block_size + t % l.block_size) * l.kv_heads + kv_head) * l.dim;
+}
+
+// One sequence, one KV head, the `group` query heads that share it; scalar loops.
 template <typename T>
-void attend(const Layout& l, const T* q, const T* keys, const T* values, const int64_t* table, int64_t n,
-            int64_t kv_head, float scale, T* out) {
+void attend_scalar(const Layout& l, const T* q, const T* keys, const T* values, const int64_t* table, int64_t n,
+                   int64_t kv_head, float scale, T* out) {
   const int64_t group = l.heads / l.kv_heads, dim = l.dim;
   std::vector<float> queries(group * dim), row(dim), scores(group * n), acc(group * dim, 0.f);
   for (int64_t g = 0; g < group; ++g) to_float(q + (kv_head * group + g) * dim, queries.data() + g * dim, dim);
-  auto slot_offset = [&](int64_t t) {
-    return ((table[t / l.block_size] * l.block_size + t % l.block_size) * l.kv_heads + kv_head) * dim;
-  };
   for (int64_t t = 0; t < n; ++t) {
-    to_float(keys + slot_offset(t), row.data(), dim);
+    to_float(keys + slot_offset(l, table, t, kv_head), row.data(), dim);
     for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(queries.data() + g * dim, row.data(), dim) * scale;
   }
   for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
   for (int64_t t = 0; t < n; ++t) {
-    to_float(values + slot_offset(t), row.data(), dim);
+    to_float(values + slot_offset(l, table, t, kv_head), row.data(), dim);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * n + t];
       float* a = acc.data() + g * dim;
@@ -112,6 +113,75 @@ void attend(const Layout& l, const T* q, const T* keys, const T* values, const i
     T* o = out + (kv_head * group + g) * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d]);
   }
+}
+
+#ifdef TANDEM_SIMD
+constexpr int64_t kMaxChunks = 16;  // head_dim up to 256 in registers
+
+// In place: scores <- softmax(scores), 16 at a time.
+inline void softmax16(float* scores, int64_t n) {
+  __m512 max = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + kWidth <= n; t += kWidth) max = _mm512_max_ps(max, _mm512_loadu_ps(scores + t));
+  float m = _mm512_reduce_max_ps(max);
+  for (; t < n; ++t) m = std::max(m, scores[t]);
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + kWidth <= n; t += kWidth) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), shift));
+    _mm512_storeu_ps(scores + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; t < n; ++t) {
+    scores[t] = fast_exp(scores[t] - m);
+    total += scores[t];
+  }
+  const float inv = 1.f / total;
+  for (t = 0; t < n; ++t) scores[t] *= inv;
+}
+
+// As `attend_scalar`, for head_dim a multiple of 16 (at most 256): a query head's or an output row's
+// 16-float chunks stay in registers while the keys or values stream past.
+template <typename T>
+void attend_simd(const Layout& l, const T* q, const T* keys, const T* values, const int64_t* table, int64_t n,
+                 int64_t kv_head, float scale, T* out) {
+  const int64_t group = l.heads / l.kv_heads, chunks = l.dim / kWidth;
+  std::vector<float> scores(group * n);
+  for (int64_t g = 0; g < group; ++g) {
+    const T* query = q + (kv_head * group + g) * l.dim;
+    __m512 qv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) qv[c] = load16(query + c * kWidth);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* key = keys + slot_offset(l, table, t, kv_head);
+      __m512 acc = _mm512_mul_ps(qv[0], load16(key));
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load16(key + c * kWidth), acc);
+      scores[g * n + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    softmax16(scores.data() + g * n, n);
+    __m512 acc[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* value = values + slot_offset(l, table, t, kv_head);
+      const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + c * kWidth), acc[c]);
+    }
+    T* o = out + (kv_head * group + g) * l.dim;
+    for (int64_t c = 0; c < chunks; ++c) store16(o + c * kWidth, acc[c]);
+  }
+}
+#endif
+
+template <typename T>
+void attend(const Layout& l, const T* q, const T* keys, const T* values, const int64_t* table, int64_t n,
+            int64_t kv_head, float scale, T* out) {
+#ifdef TANDEM_SIMD
+  if (l.dim % kWidth == 0 && l.dim <= kMaxChunks * kWidth) {
+    attend_simd(l, q, keys, values, table, n, kv_head, scale, out);
+    return;
+  }
+#endif
+  attend_scalar(l, q, keys, values, table, n, kv_head, scale, out);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -11,9 +11,13 @@
 
 namespace tandem {
 
-// Runs `body.template operator()<scalar_t>()` for a float32, bfloat16 or float16 tensor.
-#define TANDEM_DISPATCH(dtype, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
+// Runs the lambda with `scalar_t` the element type of a float32, bfloat16 or float16 tensor (the
+// model's dtypes); any other dtype raises, naming `name`.
+#define TANDEM_DISPATCH(dtype, name, ...)                          \
+  AT_DISPATCH_SWITCH(dtype, name,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)      \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU (the native kernels are CPU-only)");
