@@ -5,9 +5,10 @@ Rule: the batch sizes go in ascending order; at each one, every candidate still 
 the matrices of a few layers (enough weight to spill the caches, as the real model does) REPS
 times, interleaved with the others so a busy neighbour slows all alike, and keeps its best time.
 A candidate slower than float32 by more than RUNS_WELL leaves the race (later sizes None): it can
-no longer win (precision.choose), and bf16 on a CPU without bf16 hardware would take minutes. The cache key is the CPU model and flags, the torch
-version, the thread count and the shapes, under $TANDEM_HOME/probes; one process probes at a time
-(file lock), so the workers of one machine share one result.
+no longer win (precision.choose), and bf16 on a CPU without bf16 hardware would take minutes. The
+cache key is the CPU model and flags, the torch version, whether the native kernels run, the thread
+count and the shapes, under $TANDEM_HOME/probes; one process probes at a time (file lock), so the
+workers of one machine share one result.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from services.common.model_config import ModelConfig
 from services.common.paths import tandem_home
+from services.runtime import native
 from services.runtime.precision import CANDIDATES, FLOAT32, RUNS_WELL, Precision
 from services.runtime.quantization import Linear, make_linear
 
@@ -51,7 +53,7 @@ class ProbeSetup:
 
     def key(self) -> dict[str, object]:
         return {"cpu": _cpu_identity(), "torch": torch.__version__, **asdict(self),
-                "candidates": [c.name for c in CANDIDATES]}
+                "candidates": [c.name for c in CANDIDATES], "native_kernels": native.loaded()}
 
 
 # A probe taken while other work loads the CPU more than this (load average per core) times that
