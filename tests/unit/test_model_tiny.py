@@ -1,14 +1,17 @@
 """Tiny randomly initialised models of each supported architecture: Tandem's logits equal HF
-transformers' within 1e-4, over a prefill and several paged decode steps."""
+transformers' within 1e-4, over a prefill and several paged decode steps, on the torch path and on
+the native kernels' (where their build is loaded)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.runtime import native
 from services.runtime.attention import TorchAttention
 from services.runtime.batch_scheduler import ScheduledChunk
 from services.runtime.kv_cache import PagedKVCache
+from services.runtime.layer_ops import NativeOps, TorchOps
 from services.runtime.model import CausalLM
 from services.runtime.model_runner import ModelRunner
 from services.runtime.sampler import SamplingParams
@@ -42,11 +45,15 @@ def make_tiny(kind: str, directory) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("path", ["torch", "native"])
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
-def test_logits_match_transformers(kind, tmp_path):
+def test_logits_match_transformers(kind, path, tmp_path):
+    if path == "native" and not native.loaded():
+        pytest.skip("the native kernels are not built: python -m services.runtime.native")
     torch.set_num_threads(1)
     reference = make_tiny(kind, tmp_path)
-    model = CausalLM.from_model_dir(tmp_path, TorchAttention())
+    model = CausalLM.from_model_dir(tmp_path, TorchAttention(native_decode=path == "native"))
+    model.ops = NativeOps if path == "native" else TorchOps
     cache = PagedKVCache(model.config, num_blocks=8, block_size=4)
     cache.initialize(list(range(8)))
     runner = ModelRunner(model, cache)
