@@ -27,6 +27,7 @@ INT4_GROUP = 32
 INT4_ROW_MULTIPLE = 16  # the int4 packing takes output rows in tiles of 16
 INT4_LEVELS = 15
 INT4_CODE_BIAS = 128  # the native int4 kernel dots x with 128 + code (see quant_gemv.cpp)
+INT4_ROW_BLOCK = 16  # the native int4 kernel's output rows per block
 
 
 class Linear(Protocol):
@@ -114,7 +115,7 @@ class NativeInt4Linear:
 
     codes: torch.Tensor  # uint8 [out, groups * 16]: byte j of a group = code j | code (j + 16) << 4
     scales: torch.Tensor  # float32 [out, groups]
-    offsets: torch.Tensor  # float32 [groups, out]: minimum - 128 * scale
+    offsets: torch.Tensor  # float32 [out / 16 rounded up, groups, 16]: minimum - 128 * scale, by 16-row block
     bias: torch.Tensor | None = None
 
     @classmethod
@@ -128,8 +129,10 @@ class NativeInt4Linear:
         packed = (codes[..., :half] | (codes[..., half:] << 4)).view(out_features, padded * half)
         scales = torch.zeros(out_features, padded)
         scales[:, :count] = groups.scale
-        offsets = torch.zeros(padded, out_features)
-        offsets[:count] = (groups.minimum - INT4_CODE_BIAS * groups.scale).t()
+        blocks = -(-out_features // INT4_ROW_BLOCK)
+        offsets = torch.zeros(blocks * INT4_ROW_BLOCK, padded)
+        offsets[:out_features, :count] = groups.minimum - INT4_CODE_BIAS * groups.scale
+        offsets = offsets.view(blocks, INT4_ROW_BLOCK, padded).transpose(1, 2).contiguous()
         return cls(packed.contiguous(), scales, offsets, _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

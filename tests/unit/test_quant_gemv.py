@@ -66,8 +66,9 @@ def test_int4_odd_group_count_rows_off_the_block_and_a_bias(ops):
     groups = int4_groups(40, 96)  # 3 groups (padded to 4), 40 rows (16 + 16 + 8)
     bias = torch.arange(40.0) / 8
     layer = NativeInt4Linear.pack(groups, bias, torch.bfloat16)
-    assert layer.codes.shape == (40, 64) and layer.scales.shape == (40, 4) and layer.offsets.shape == (4, 40)
-    assert layer.scales[:, 3].abs().sum() == 0 and layer.offsets[3].abs().sum() == 0
+    assert layer.codes.shape == (40, 64) and layer.scales.shape == (40, 4) and layer.offsets.shape == (3, 4, 16)
+    assert layer.scales[:, 3].abs().sum() == 0 and layer.offsets[:, 3].abs().sum() == 0
+    assert layer.offsets[2, :, 8:].abs().sum() == 0  # rows 40..47 of the last block do not exist
     x = activations(3, 96)
     want = x.float() @ dequantized(groups).T
     torch.testing.assert_close(layer(x).float(), (want.bfloat16() + bias.bfloat16()).float(),
@@ -79,7 +80,7 @@ def test_int4_packs_two_codes_a_byte_low_half_first(ops):
     groups = Int4Groups(codes, torch.ones(16, 2), torch.zeros(16, 2))
     layer = NativeInt4Linear.pack(groups, None, torch.bfloat16)
     assert layer.codes[0, :16].tolist() == [j | (j << 4) for j in range(16)]
-    assert layer.offsets[:, 0].tolist() == [-128.0, -128.0]
+    assert layer.offsets[0, :, 0].tolist() == [-128.0, -128.0]
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     x[0, 17] = 1.0  # picks code 1 of group 0's second half
     assert layer(x)[0].tolist() == [1.0] * 16
@@ -91,8 +92,8 @@ def test_int4_refuses_what_it_cannot_run(ops):
         ops.int4_gemv(activations(1, 64, torch.float16), layer.codes, layer.scales, layer.offsets)
     with pytest.raises(RuntimeError, match=r"int4_gemv: x has 96 columns; these codes take 64 \(a multiple of 32"):
         ops.int4_gemv(activations(1, 96), layer.codes, layer.scales, layer.offsets)
-    with pytest.raises(RuntimeError, match=r"int4_gemv: offsets must be float32 \[2, 16\]"):
-        ops.int4_gemv(activations(1, 64), layer.codes, layer.scales, layer.offsets.t().contiguous())
+    with pytest.raises(RuntimeError, match=r"int4_gemv: offsets must be float32 \[1, 2, 16\], got Float\[2, 16\]"):
+        ops.int4_gemv(activations(1, 64), layer.codes, layer.scales, layer.offsets[0])
 
 
 @pytest.fixture(scope="module")

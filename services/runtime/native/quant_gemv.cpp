@@ -6,7 +6,8 @@
 // kernel reads two groups (32 bytes) at a time. The kernel dots x with the biased codes 128 + code:
 // a nibble ORed into 0x4300 is that number in bfloat16, so codes become bf16 in one logic op each.
 // Hence each group keeps its scale ([out, groups], float32) and the offset minimum - 128 * scale
-// ([groups, out], float32, transposed so 16 output rows read it as one vector):
+// (float32 [out / 16 rounded up, groups, 16]: a block of 16 output rows reads its groups' offsets
+// as one vector each, and every weight tensor as one sequential stream):
 //   y = sum_g scale_g * (sum_{k in g} (128 + code_k) * x_k) + sum_g offset_g * (sum_{k in g} x_k)
 // The group sums of x are taken once per call. With avx512_bf16, `vdpbf16ps` multiplies exactly and
 // sums in float32; elsewhere a portable loop does the same arithmetic in float32.
@@ -54,9 +55,11 @@ Int4Shape check_int4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.sizes() == at::IntArrayRef({out_features, groups}),
               "int4_gemv: scales must be float32 [", out_features, ", ", groups, "], got ", scales.scalar_type(),
               scales.sizes());
-  TORCH_CHECK(offsets.scalar_type() == at::kFloat && offsets.sizes() == at::IntArrayRef({groups, out_features}),
-              "int4_gemv: offsets must be float32 [", groups, ", ", out_features, "], got ", offsets.scalar_type(),
-              offsets.sizes());
+  const int64_t blocks = (out_features + kRowBlock - 1) / kRowBlock;
+  TORCH_CHECK(offsets.scalar_type() == at::kFloat &&
+                  offsets.sizes() == at::IntArrayRef({blocks, groups, kRowBlock}),
+              "int4_gemv: offsets must be float32 [", blocks, ", ", groups, ", ", kRowBlock, "], got ",
+              offsets.scalar_type(), offsets.sizes());
   const int64_t in_features = x.size(1);
   TORCH_CHECK(in_features % kGroup == 0 && (in_features / kGroup + 1) / 2 * 2 == groups,
               "int4_gemv: x has ", in_features, " columns; these codes take ", groups * kGroup,
@@ -111,7 +114,8 @@ void int4_rows_portable(const Int4Weights& w, const Int4Activations& a, const In
           dot += (kCodeBias + static_cast<float>(byte & 0xF)) * static_cast<float>(low[j]);
           dot += (kCodeBias + static_cast<float>(byte >> 4)) * static_cast<float>(low[kGroup + j]);
         }
-        total += w.scales[n * s.groups + g] * dot + w.offsets[g * s.out_features + n] * a.group_sums[m * s.groups + g];
+        const float offset = w.offsets[((n / kRowBlock) * s.groups + g) * kRowBlock + n % kRowBlock];
+        total += w.scales[n * s.groups + g] * dot + offset * a.group_sums[m * s.groups + g];
       }
       y[m * s.out_features + n] = static_cast<at::BFloat16>(total);
     }
@@ -159,12 +163,12 @@ void int4_block_tile(const Int4Weights& w, const Int4Activations& a, const Int4S
     for (int t = 0; t < Tile; ++t) sums[t][r] = _mm512_reduce_add_ps(acc[t]);
   }
   const __mmask16 mask = first_lanes(count);
+  const float* offsets = w.offsets + (n0 / kRowBlock) * s.groups * kRowBlock;
   for (int t = 0; t < Tile; ++t) {
     const float* group_sums = a.group_sums.data() + (m0 + t) * s.groups;
     __m512 total = _mm512_load_ps(sums[t]);
     for (int64_t g = 0; g < s.groups; ++g)
-      total = _mm512_fmadd_ps(_mm512_set1_ps(group_sums[g]),
-                              _mm512_maskz_loadu_ps(mask, w.offsets + g * s.out_features + n0), total);
+      total = _mm512_fmadd_ps(_mm512_set1_ps(group_sums[g]), _mm512_loadu_ps(offsets + g * kRowBlock), total);
     _mm256_mask_storeu_epi16(y + (m0 + t) * s.out_features + n0, mask, (__m256i)_mm512_cvtneps_pbh(total));
   }
 }
