@@ -59,7 +59,7 @@ class Int8Linear:
         return cls(qweight.contiguous(), scales.to(dtype), _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = torch.ops.tandem.int8_gemv if native.loaded() else torch.ops.aten._weight_int8pack_mm
+        kernel = torch.ops.tandem.int8_gemv if native.active(x.device) else torch.ops.aten._weight_int8pack_mm
         out = kernel(x.contiguous(), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
 
@@ -143,7 +143,7 @@ class NativeInt4Linear:
 def int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
     """The int4 layer for these groups: the native kernel's packing where it runs (loaded, bfloat16
     activations), torch's otherwise."""
-    layer = NativeInt4Linear if dtype == torch.bfloat16 and native.loaded() else Int4Linear
+    layer = NativeInt4Linear if dtype == torch.bfloat16 and native.active(groups.codes.device) else Int4Linear
     return layer.pack(groups, bias, dtype)
 
 
