@@ -1,7 +1,7 @@
 """A stand-in scheduler for the gateway's tests that places every request on itself: a subclass
 writes `events(request, context)`, the request's token events as a worker streams them (raising a
 TandemError fails the request); Submit answers with a Placement on this same server, whose
-TokenStreamService.Stream yields those events. A failure before the first event is Submit's
+TokenStreamService.Follow streams those events. A failure before the first event is Submit's
 status; one after it ends the Submit call with that status, as the real scheduler's would."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import grpc
 
 from services.common.errors import TandemError
 from services.common.grpc_server import GrpcServer, create_server
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from services.worker.token_streams import follow_many
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 _Run = tuple[scheduler_pb2.TokenEvent, AsyncIterator[scheduler_pb2.TokenEvent], asyncio.Future]
 
@@ -49,8 +50,12 @@ class PlacingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer, worker_pb2_g
         if error is not None:
             raise error
 
-    async def Stream(self, request, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        first, events, ended = self._runs().pop(request.request_id)
+    async def Follow(self, request_iterator, context) -> AsyncIterator[worker_pb2.FollowBatch]:
+        async for batch in follow_many(request_iterator, lambda request_id, min_tokens: self._follow(request_id)):
+            yield batch
+
+    async def _follow(self, request_id: str) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        first, events, ended = self._runs().pop(request_id)
         try:
             yield first
             async for event in events:

@@ -1,5 +1,6 @@
 """One attempt of a request, as the gateway runs it: the scheduler's Submit call that placed it,
-and the token streams of its workers (TokenStreamService.Stream), all feeding the request's relay.
+and the token streams of its workers (on the gateway's Follow call to each, follow.py), all
+feeding the request's relay.
 
 The scheduler decides and accounts; the tokens come straight from the workers: the generating
 (decode or colocated) worker's stream, and the prefill worker's, which carries output token 0. The
@@ -34,6 +35,7 @@ from collections.abc import Callable
 import grpc
 
 from services.common.errors import TandemError, Unavailable, error_from_rpc
+from services.gateway.follow import FollowedStream
 from services.gateway.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 # stream that never ends: one whose worker was cut off without its connection breaking.
 STREAMS_GRACE_S = 1.0
 
-OpenStream = Callable[[str, worker_pb2.StreamRequest], grpc.aio.UnaryStreamCall]
+OpenStream = Callable[[str, worker_pb2.StreamRequest], FollowedStream]
 
 
 class Attempt:
@@ -53,7 +55,7 @@ class Attempt:
         self.submit = submit
         self.placement = placement
         self._relay = relay
-        self._calls: list[grpc.aio.UnaryStreamCall] = []
+        self._calls: list[FollowedStream] = []
         self._tasks: list[asyncio.Task] = []
         self._pumps: list[asyncio.Task] = []
         self._watcher: asyncio.Task | None = None
@@ -92,7 +94,7 @@ class Attempt:
             task.cancel()
         self.submit.cancel()
 
-    async def _pump(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _pump(self, address: str, call: FollowedStream) -> None:
         generator = address == self.placement.generator_address
         try:
             finished = await self._read(address, call, generator)
@@ -106,7 +108,7 @@ class Attempt:
             if self._scheduler_gone:
                 self._fail(self._generator_cut)
 
-    async def _read(self, address: str, call: grpc.aio.UnaryStreamCall, generator: bool) -> bool:
+    async def _read(self, address: str, call: FollowedStream, generator: bool) -> bool:
         """Push the stream's events into the relay; whether its final event came."""
         finished = False
         try:

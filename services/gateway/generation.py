@@ -160,8 +160,7 @@ class Generation:
                 call.cancel()
                 raise Unavailable(f"the scheduler ended request {self.request_id}'s call before placing it")
             attempt = Attempt(call, first.placement, self._relay)
-            attempt.start(lambda address, request: self._upstream.stream(
-                address, request, self._remaining(), self._metadata))
+            attempt.start(lambda address, request: self._upstream.stream(address, request, self._metadata))
             return attempt
 
     async def _settled(self) -> None:

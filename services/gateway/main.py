@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import sys
@@ -135,6 +136,7 @@ async def serve(config: GatewayConfig) -> None:
              config.host,
              server.port, "S" if config.tls else "", http_server.port, ",".join(config.scheduler),
              "on" if config.api_keys else "off", "on" if config.tls else "off")
+    gc.freeze()  # what startup built (the tokenizer, the models' tables) stays out of every later collection
     follower = asyncio.create_task(follow_scheduler_health(channels, server, http, model=model.name,
                                                            internal_token=config.internal_token))
     try:

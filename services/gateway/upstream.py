@@ -5,7 +5,8 @@ Requests are spread over the schedulers in turn; each keeps its own requests (th
 reservations and accounting), so a request stays with the scheduler that placed it, its
 continuations included, unless that one cannot be reached. A call that found its scheduler's
 channel without a connection never reached it, and may go to the next one; a call that reached
-it has the scheduler's own answer. Worker channels are opened on first use, one per address.
+it has the scheduler's own answer. Worker channels are opened on first use, one per address, and
+carry the tokens of all the gateway's requests on that worker on one call (follow.py).
 With a `stream_interval` above 1, a worker's stream sends the first token at once and then
 messages of at least that many tokens (fewer messages to read and chunks to send, per token).
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.channels import internal_channel
+from services.gateway.follow import FollowedStream, WorkerFollow
 from tandem.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -48,7 +50,7 @@ class Upstream:
         self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
         self._turns = itertools.count()
         self._open_channel = open_channel
-        self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.TokenStreamServiceStub]] = {}
+        self._workers: dict[str, tuple[grpc.aio.Channel, WorkerFollow]] = {}
 
     @property
     def num_schedulers(self) -> int:
@@ -61,17 +63,19 @@ class Upstream:
     def scheduler(self, turn: int) -> SchedulerLink:
         return self._schedulers[turn % len(self._schedulers)]
 
-    def stream(self, address: str, request: worker_pb2.StreamRequest, timeout: float | None,
-               metadata: tuple[tuple[str, str], ...]) -> grpc.aio.UnaryStreamCall:
-        """TokenStreamService.Stream on the worker at `address`, `stream_interval` tokens a message."""
+    def stream(self, address: str, request: worker_pb2.StreamRequest,
+               metadata: tuple[tuple[str, str], ...]) -> FollowedStream:
+        """The request's events from the worker at `address`, `stream_interval` tokens a message, on
+        the gateway's Follow call to that worker (follow.py)."""
         request.min_tokens_per_message = self.stream_interval
         if address not in self._workers:
             channel = self._open_channel(address)
-            self._workers[address] = (channel, worker_pb2_grpc.TokenStreamServiceStub(channel))
-        return self._workers[address][1].Stream(request, timeout=timeout, metadata=metadata)
+            self._workers[address] = (channel, WorkerFollow(worker_pb2_grpc.TokenStreamServiceStub(channel)))
+        return self._workers[address][1].attach(request, metadata)
 
     async def close(self) -> None:
         """Close the channels it opened to workers (the schedulers' are the caller's)."""
-        for channel, _ in self._workers.values():
+        for channel, follow in self._workers.values():
+            follow.close()
             await channel.close()
         self._workers.clear()

@@ -1,6 +1,7 @@
 """What the three worker servicers share: the runtime they serve once the model is loaded, the
-Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream), the model
-catalogue's LoadModel and UnloadModel (ModelService), and the checks on an incoming request.
+Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream, and Follow:
+many requests' on one call), the model catalogue's LoadModel and UnloadModel (ModelService), and
+the checks on an incoming request.
 
 The gRPC server starts before the model loads (health says NOT_SERVING meanwhile), so a servicer
 exists before its runtime and holds the future that resolves to it; an RPC that arrives in
@@ -17,6 +18,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.wire import DEFAULT_MAX_TOKENS, abort_ids, sampling_from_proto
 from services.worker.runtime import WorkerRuntime
 from services.worker.stats import residency_to_pb
+from services.worker.token_streams import follow_many
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 
 # Every role serves it (with its role's own services): the gateway reads the requests' tokens there.
@@ -50,6 +52,12 @@ class WorkerServicerBase:
             raise InvalidRequest("request_id", "is empty; pass the attempt id of the scheduler's Placement")
         async for event in self.runtime.streams.follow(request.request_id, request.min_tokens_per_message):
             yield event
+
+    async def Follow(self, request_iterator: AsyncIterator[worker_pb2.FollowControl],
+                     context) -> AsyncIterator[worker_pb2.FollowBatch]:
+        """TokenStreamService.Follow: the events of the requests a gateway attaches, batched."""
+        async for batch in follow_many(request_iterator, self.runtime.streams.follow):
+            yield batch
 
     async def LoadModel(self, request: worker_pb2.LoadModelRequest, context) -> worker_pb2.LoadModelResponse:
         """ModelService.LoadModel: resident (loaded now, or already), pinned if asked."""

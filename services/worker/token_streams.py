@@ -11,6 +11,10 @@ last event is the final one, or output token 0 on a worker that hands the reques
 (the tokens of consecutive steps, when the reader fell behind); a reader asking for several tokens
 per message (StreamRequest.min_tokens_per_message) gets its first token at once, then messages
 that wait for that many. `drop` ends a stream with UNAVAILABLE when the worker drops its request.
+
+`follow_many` serves one Follow call: the streams of many requests (a gateway's, on this worker),
+attached and left one by one, their events sent together (each message has every event ready then,
+a step's tokens of the whole batch at once) with the end of each request's stream.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.common.errors import InvalidRequest, Unavailable
-from tandem.v1 import common_pb2, scheduler_pb2
+from services.common.errors import InvalidRequest, TandemError, Unavailable, grpc_status
+from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 ATTACH_S = 30.0  # the gateway attaches right after placement; this only bounds a gateway that vanished
 
@@ -120,6 +124,108 @@ class RequestStreams:
             del self._streams[request_id]
         if stream.timer is not None:
             stream.timer.cancel()
+
+
+Follow = Callable[[str, int], AsyncIterator[scheduler_pb2.TokenEvent]]  # RequestStreams.follow's shape
+
+
+async def follow_many(controls: AsyncIterator[worker_pb2.FollowControl],
+                      follow: Follow) -> AsyncIterator[worker_pb2.FollowBatch]:
+    """TokenStreamService.Follow: `follow(request_id, min_tokens)` for each attached request until
+    its stream ends or it is left; batches of every event ready, and of the streams' ends. Ends
+    when the controls are done and no stream is left; leaving early (the call ended) gives up every
+    stream still followed."""
+    batches = _Batches(follow)
+    reader = asyncio.ensure_future(batches.read(controls))
+    try:
+        while True:
+            if (batch := batches.take()) is not None:
+                yield batch
+            elif reader.done() and not batches.pumps:
+                reader.result()  # raises what ended the controls, if anything did
+                return
+            else:
+                batches.ready.clear()
+                await batches.ready.wait()
+    finally:
+        reader.cancel()
+        for pump in list(batches.pumps.values()):
+            pump.cancel()  # follow()'s end gives the request up
+
+
+class _Batches:
+    """The streams followed on one Follow call, and the batches filled for its next messages: one,
+    but an event with prompt logprobs (which may be megabytes) goes alone, as Stream would send it,
+    so that joining it to others never makes a message bigger than one request's."""
+
+    def __init__(self, follow: Follow) -> None:
+        self._follow = follow
+        self.pumps: dict[str, asyncio.Task[None]] = {}
+        self.ready = asyncio.Event()
+        self._full: list[worker_pb2.FollowBatch] = []
+        self._batch = worker_pb2.FollowBatch()
+
+    def take(self) -> worker_pb2.FollowBatch | None:
+        """The next message, None when nothing is waiting."""
+        if self._full:
+            return self._full.pop(0)
+        batch = self._batch
+        if not batch.events and not batch.ends:
+            return None
+        self._batch = worker_pb2.FollowBatch()
+        return batch
+
+    def add(self, event: scheduler_pb2.TokenEvent) -> None:
+        if event.prompt_logprobs:
+            self._seal()
+            self._batch.events.append(event)
+            self._seal()
+        else:
+            self._batch.events.append(event)
+        self.ready.set()
+
+    def _seal(self) -> None:
+        if self._batch.events or self._batch.ends:
+            self._full.append(self._batch)
+            self._batch = worker_pb2.FollowBatch()
+
+    async def read(self, controls: AsyncIterator[worker_pb2.FollowControl]) -> None:
+        try:
+            async for control in controls:
+                if control.HasField("attach"):
+                    self._attach(control.attach)
+                elif (pump := self.pumps.pop(control.leave, None)) is not None:
+                    pump.cancel()
+        finally:
+            self.ready.set()
+
+    def _attach(self, request: worker_pb2.StreamRequest) -> None:
+        request_id = request.request_id
+        if not request_id:
+            self._end(request_id, InvalidRequest("attach.request_id", "is empty; pass the attempt id of the "
+                                                                      "scheduler's Placement"))
+        elif request_id in self.pumps:
+            self._end(request_id, InvalidRequest("attach.request_id",
+                                                 f"{request_id!r} is already followed on this call"))
+        else:
+            self.pumps[request_id] = asyncio.ensure_future(self._pump(request_id, request.min_tokens_per_message))
+
+    async def _pump(self, request_id: str, min_tokens: int) -> None:
+        error = None
+        try:
+            async for event in self._follow(request_id, min_tokens):
+                self.add(event)
+        except TandemError as failure:
+            error = failure
+        if self.pumps.get(request_id) is asyncio.current_task():
+            del self.pumps[request_id]
+        self._end(request_id, error)
+
+    def _end(self, request_id: str, error: TandemError | None) -> None:
+        end = self._batch.ends.add(request_id=request_id)
+        if error is not None:
+            end.code, end.message = grpc_status(error).value[0], error.message
+        self.ready.set()
 
 
 def _follows(event: scheduler_pb2.TokenEvent, after: scheduler_pb2.TokenEvent | Unavailable) -> bool:

@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import scheduler_pb2 as tandem_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x19tandem/v1/scheduler.proto\".\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"N\n\x11LoadModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.tandem.v1.ModelResidency\x12\x0f\n\x07\x65victed\x18\x02 \x03(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\'\n\x13UnloadModelResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"C\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16min_tokens_per_message\x18\x02 \x01(\x05\"\xa6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x08 \x03(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\t \x01(\x03\x12\x0c\n\x04lora\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_reused_blocks\x18\x0c \x01(\x05\"U\n\x0fKvTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\"}\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xa5\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.tandem.v1.KvTransferStats\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.PrefillTimings\"\x8c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0c\n\x04lora\x18\x07 \x01(\t\"d\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rreused_blocks\x18\x04 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x0fReleaseResponse\x12\x17\n\x0freleased_blocks\x18\x01 \x01(\x05\"\x9f\x01\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04lora\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\"9\n\x0bRunResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0equeue_position\x18\x02 \x01(\x05\"\x14\n\x12WorkerStatsRequest\"\xf7\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x15\n\rcached_blocks\x18\x05 \x01(\x05\x12\x19\n\x11referenced_blocks\x18\x06 \x01(\x05\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07running\x18\x08 \x01(\x05\x12\x0f\n\x07waiting\x18\t \x01(\x05\x12\x12\n\niterations\x18\n \x01(\x03\x12\x17\n\x0flast_batch_size\x18\x0b \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\x05\x12\x1c\n\x14\x62\x61tch_size_histogram\x18\r \x03(\x03\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x0f \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x10 \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x11 \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x12 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x13 \x01(\x03\x12\x10\n\x08uptime_s\x18\x14 \x01(\x01\x32Q\n\x12TokenStreamService\x12;\n\x06Stream\x12\x18.tandem.v1.StreamRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x32\xa4\x01\n\x0cModelService\x12\x46\n\tLoadModel\x12\x1b.tandem.v1.LoadModelRequest\x1a\x1c.tandem.v1.LoadModelResponse\x12L\n\x0bUnloadModel\x12\x1d.tandem.v1.UnloadModelRequest\x1a\x1e.tandem.v1.UnloadModelResponse2\xce\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStats2\x8f\x02\n\rDecodeService\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xc4\x01\n\x10\x43olocatedService\x12\x34\n\x03Run\x12\x15.tandem.v1.RunRequest\x1a\x16.tandem.v1.RunResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x19tandem/v1/scheduler.proto\".\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"N\n\x11LoadModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.tandem.v1.ModelResidency\x12\x0f\n\x07\x65victed\x18\x02 \x03(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\'\n\x13UnloadModelResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"C\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x16min_tokens_per_message\x18\x02 \x01(\x05\"V\n\rFollowControl\x12*\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x18.tandem.v1.StreamRequestH\x00\x12\x0f\n\x05leave\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"X\n\x0b\x46ollowBatch\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenEvent\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.tandem.v1.StreamEnd\">\n\tStreamEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x08 \x03(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\t \x01(\x03\x12\x0c\n\x04lora\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_reused_blocks\x18\x0c \x01(\x05\"U\n\x0fKvTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x05\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\"}\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xa5\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12,\n\x08transfer\x18\x07 \x01(\x0b\x32\x1a.tandem.v1.KvTransferStats\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.v1.PrefillTimings\"\x8c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0c\n\x04lora\x18\x07 \x01(\t\"d\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rreused_blocks\x18\x04 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x0fReleaseResponse\x12\x17\n\x0freleased_blocks\x18\x01 \x01(\x05\"\x9f\x01\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04lora\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\"9\n\x0bRunResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0equeue_position\x18\x02 \x01(\x05\"\x14\n\x12WorkerStatsRequest\"\xf7\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x15\n\rcached_blocks\x18\x05 \x01(\x05\x12\x19\n\x11referenced_blocks\x18\x06 \x01(\x05\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07running\x18\x08 \x01(\x05\x12\x0f\n\x07waiting\x18\t \x01(\x05\x12\x12\n\niterations\x18\n \x01(\x03\x12\x17\n\x0flast_batch_size\x18\x0b \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\x05\x12\x1c\n\x14\x62\x61tch_size_histogram\x18\r \x03(\x03\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x0f \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x10 \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x11 \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x12 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x13 \x01(\x03\x12\x10\n\x08uptime_s\x18\x14 \x01(\x01\x32\x91\x01\n\x12TokenStreamService\x12;\n\x06Stream\x12\x18.tandem.v1.StreamRequest\x1a\x15.tandem.v1.TokenEvent0\x01\x12>\n\x06\x46ollow\x12\x18.tandem.v1.FollowControl\x1a\x16.tandem.v1.FollowBatch(\x01\x30\x01\x32\xa4\x01\n\x0cModelService\x12\x46\n\tLoadModel\x12\x1b.tandem.v1.LoadModelRequest\x1a\x1c.tandem.v1.LoadModelResponse\x12L\n\x0bUnloadModel\x12\x1d.tandem.v1.UnloadModelRequest\x1a\x1e.tandem.v1.UnloadModelResponse2\xce\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStats2\x8f\x02\n\rDecodeService\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xc4\x01\n\x10\x43olocatedService\x12\x34\n\x03Run\x12\x15.tandem.v1.RunRequest\x1a\x16.tandem.v1.RunResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x05Stats\x12\x1d.tandem.v1.WorkerStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,38 +43,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADMODELRESPONSE']._serialized_end=292
   _globals['_STREAMREQUEST']._serialized_start=294
   _globals['_STREAMREQUEST']._serialized_end=361
-  _globals['_PREFILLREQUEST']._serialized_start=364
-  _globals['_PREFILLREQUEST']._serialized_end=658
-  _globals['_KVTRANSFERSTATS']._serialized_start=660
-  _globals['_KVTRANSFERSTATS']._serialized_end=745
-  _globals['_PREFILLTIMINGS']._serialized_start=747
-  _globals['_PREFILLTIMINGS']._serialized_end=872
-  _globals['_PREFILLRESPONSE']._serialized_start=875
-  _globals['_PREFILLRESPONSE']._serialized_end=1168
-  _globals['_RESERVEREQUEST']._serialized_start=1171
-  _globals['_RESERVEREQUEST']._serialized_end=1311
-  _globals['_RESERVERESPONSE']._serialized_start=1313
-  _globals['_RESERVERESPONSE']._serialized_end=1413
-  _globals['_RELEASEREQUEST']._serialized_start=1415
-  _globals['_RELEASEREQUEST']._serialized_end=1451
-  _globals['_RELEASERESPONSE']._serialized_start=1453
-  _globals['_RELEASERESPONSE']._serialized_end=1495
-  _globals['_RUNREQUEST']._serialized_start=1498
-  _globals['_RUNREQUEST']._serialized_end=1657
-  _globals['_RUNRESPONSE']._serialized_start=1659
-  _globals['_RUNRESPONSE']._serialized_end=1716
-  _globals['_WORKERSTATSREQUEST']._serialized_start=1718
-  _globals['_WORKERSTATSREQUEST']._serialized_end=1738
-  _globals['_WORKERSTATS']._serialized_start=1741
-  _globals['_WORKERSTATS']._serialized_end=2244
-  _globals['_TOKENSTREAMSERVICE']._serialized_start=2246
-  _globals['_TOKENSTREAMSERVICE']._serialized_end=2327
-  _globals['_MODELSERVICE']._serialized_start=2330
-  _globals['_MODELSERVICE']._serialized_end=2494
-  _globals['_PREFILLSERVICE']._serialized_start=2497
-  _globals['_PREFILLSERVICE']._serialized_end=2703
-  _globals['_DECODESERVICE']._serialized_start=2706
-  _globals['_DECODESERVICE']._serialized_end=2977
-  _globals['_COLOCATEDSERVICE']._serialized_start=2980
-  _globals['_COLOCATEDSERVICE']._serialized_end=3176
+  _globals['_FOLLOWCONTROL']._serialized_start=363
+  _globals['_FOLLOWCONTROL']._serialized_end=449
+  _globals['_FOLLOWBATCH']._serialized_start=451
+  _globals['_FOLLOWBATCH']._serialized_end=539
+  _globals['_STREAMEND']._serialized_start=541
+  _globals['_STREAMEND']._serialized_end=603
+  _globals['_PREFILLREQUEST']._serialized_start=606
+  _globals['_PREFILLREQUEST']._serialized_end=900
+  _globals['_KVTRANSFERSTATS']._serialized_start=902
+  _globals['_KVTRANSFERSTATS']._serialized_end=987
+  _globals['_PREFILLTIMINGS']._serialized_start=989
+  _globals['_PREFILLTIMINGS']._serialized_end=1114
+  _globals['_PREFILLRESPONSE']._serialized_start=1117
+  _globals['_PREFILLRESPONSE']._serialized_end=1410
+  _globals['_RESERVEREQUEST']._serialized_start=1413
+  _globals['_RESERVEREQUEST']._serialized_end=1553
+  _globals['_RESERVERESPONSE']._serialized_start=1555
+  _globals['_RESERVERESPONSE']._serialized_end=1655
+  _globals['_RELEASEREQUEST']._serialized_start=1657
+  _globals['_RELEASEREQUEST']._serialized_end=1693
+  _globals['_RELEASERESPONSE']._serialized_start=1695
+  _globals['_RELEASERESPONSE']._serialized_end=1737
+  _globals['_RUNREQUEST']._serialized_start=1740
+  _globals['_RUNREQUEST']._serialized_end=1899
+  _globals['_RUNRESPONSE']._serialized_start=1901
+  _globals['_RUNRESPONSE']._serialized_end=1958
+  _globals['_WORKERSTATSREQUEST']._serialized_start=1960
+  _globals['_WORKERSTATSREQUEST']._serialized_end=1980
+  _globals['_WORKERSTATS']._serialized_start=1983
+  _globals['_WORKERSTATS']._serialized_end=2486
+  _globals['_TOKENSTREAMSERVICE']._serialized_start=2489
+  _globals['_TOKENSTREAMSERVICE']._serialized_end=2634
+  _globals['_MODELSERVICE']._serialized_start=2637
+  _globals['_MODELSERVICE']._serialized_end=2801
+  _globals['_PREFILLSERVICE']._serialized_start=2804
+  _globals['_PREFILLSERVICE']._serialized_end=3010
+  _globals['_DECODESERVICE']._serialized_start=3013
+  _globals['_DECODESERVICE']._serialized_end=3284
+  _globals['_COLOCATEDSERVICE']._serialized_start=3287
+  _globals['_COLOCATEDSERVICE']._serialized_end=3483
 # @@protoc_insertion_point(module_scope)

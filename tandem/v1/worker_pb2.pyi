@@ -44,6 +44,32 @@ class StreamRequest(_message.Message):
     min_tokens_per_message: int
     def __init__(self, request_id: _Optional[str] = ..., min_tokens_per_message: _Optional[int] = ...) -> None: ...
 
+class FollowControl(_message.Message):
+    __slots__ = ("attach", "leave")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    attach: StreamRequest
+    leave: str
+    def __init__(self, attach: _Optional[_Union[StreamRequest, _Mapping]] = ..., leave: _Optional[str] = ...) -> None: ...
+
+class FollowBatch(_message.Message):
+    __slots__ = ("events", "ends")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_scheduler_pb2.TokenEvent]
+    ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
+    def __init__(self, events: _Optional[_Iterable[_Union[_scheduler_pb2.TokenEvent, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "decode_address", "decode_worker_id", "decode_block_ids", "max_chunk_bytes", "lora", "model", "decode_reused_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

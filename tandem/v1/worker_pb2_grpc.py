@@ -43,6 +43,11 @@ class TokenStreamServiceStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Follow = channel.stream_stream(
+                '/tandem.v1.TokenStreamService/Follow',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.FollowControl.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.FollowBatch.FromString,
+                _registered_method=True)
 
 
 class TokenStreamServiceServicer:
@@ -62,6 +67,19 @@ class TokenStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request_iterator, context):
+        """Many requests' events on one call (the gateway keeps one per worker): each
+        attach starts following one request as Stream would, a leave gives it up
+        (aborting it here, as cancelling its Stream would). Each message carries
+        every event ready when it is sent, of any request (a decode step's tokens
+        of the whole batch in one message), and the ends of the requests whose
+        last event went out (or that failed: the status Stream would have ended
+        with). Ending the call gives up every request still followed on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -69,6 +87,11 @@ def add_TokenStreamServiceServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Follow': grpc.stream_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.FollowControl.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.FollowBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,6 +123,33 @@ class TokenStreamService:
             '/tandem.v1.TokenStreamService/Stream',
             tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
             tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.TokenStreamService/Follow',
+            tandem_dot_v1_dot_worker__pb2.FollowControl.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.FollowBatch.FromString,
             options,
             channel_credentials,
             insecure,

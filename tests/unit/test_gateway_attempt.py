@@ -157,7 +157,7 @@ async def test_the_upstream_asks_the_workers_for_its_stream_interval() -> None:
     channel = grpc.aio.insecure_channel("127.0.0.1:1")
     upstream = Upstream([channel], lambda address: channel, stream_interval=4)
     request = worker_pb2.StreamRequest(request_id="r")
-    call = upstream.stream("127.0.0.1:1", request, timeout=1.0, metadata=())
+    call = upstream.stream("127.0.0.1:1", request, metadata=())
     assert request.min_tokens_per_message == 4
     call.cancel()
-    await channel.close()
+    await upstream.close()
