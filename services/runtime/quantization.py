@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.common.blocks import ceil_div
 from services.runtime import native
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -129,7 +130,7 @@ class NativeInt4Linear:
         packed = (codes[..., :half] | (codes[..., half:] << 4)).view(out_features, padded * half)
         scales = torch.zeros(out_features, padded)
         scales[:, :count] = groups.scale
-        blocks = -(-out_features // INT4_ROW_BLOCK)
+        blocks = ceil_div(out_features, INT4_ROW_BLOCK)
         offsets = torch.zeros(blocks * INT4_ROW_BLOCK, padded)
         offsets[:out_features, :count] = groups.minimum - INT4_CODE_BIAS * groups.scale
         offsets = offsets.view(blocks, INT4_ROW_BLOCK, padded).transpose(1, 2).contiguous()
