@@ -432,12 +432,12 @@ def test_hybrid_mode_starts_decode_workers_that_prefill_too() -> None:
     assert role_flags("disaggregated", "decode") == [] and role_flags("colocated", "colocated") == []
 
 
-def test_children_get_sleeping_openmp_threads_unless_the_user_chose(monkeypatch, tmp_path):
+def test_children_take_the_users_openmp_wait_policy_and_no_other(monkeypatch, tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
     config = UpConfig(**{name: getattr(args, name) for name in UpConfig.__dataclass_fields__})
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert "OMP_WAIT_POLICY" not in LocalSystem(config, tmp_path, tmp_path / "logs", "t")._env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert LocalSystem(config, tmp_path, tmp_path / "logs", "t")._env["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert LocalSystem(config, tmp_path, tmp_path / "logs", "t")._env["OMP_WAIT_POLICY"] == "ACTIVE"
