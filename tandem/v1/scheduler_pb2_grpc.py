@@ -157,7 +157,7 @@ class SchedulerServiceServicer:
         """Worker -> scheduler: one long-lived stream per worker; each message holds,
         for one engine iteration, the first and the final event of its requests
         that started or ended in it (never the tokens in between: those go to the
-        gateway on TokenStreamService.Stream).
+        gateway on TokenStreamService.Follow).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
