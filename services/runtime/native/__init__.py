@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ def build(verbose: bool = False) -> Path:
     returns the shared library's path. Raises what the compiler raised."""
     from torch.utils import cpp_extension
 
+    _put_interpreter_tools_on_path()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
@@ -89,6 +91,15 @@ def active(device: torch.device) -> bool:
     """The one switch the callers check: the kernels run where their build is loaded and the tensors
     are on the CPU (they are CPU kernels)."""
     return device.type == "cpu" and loaded()
+
+
+def _put_interpreter_tools_on_path() -> None:
+    """torch runs `ninja` from PATH; pip installs it (a dependency) beside this interpreter, whose
+    directory is not on PATH when a virtualenv's python runs without being activated (`make setup`)."""
+    tools = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if tools not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join((tools, path)) if path else tools
 
 
 def _build_key() -> str:
