@@ -266,14 +266,16 @@ class WorkerLoad(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., step_cost: _Optional[_Union[StepCostModel, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelResidency, _Mapping]]] = ..., free_model_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StepCostModel(_message.Message):
-    __slots__ = ("fixed_ms", "per_token_ms", "per_context_token_ms")
+    __slots__ = ("fixed_ms", "per_token_ms", "per_context_token_ms", "per_decode_context_ms")
     FIXED_MS_FIELD_NUMBER: _ClassVar[int]
     PER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     PER_CONTEXT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_DECODE_CONTEXT_MS_FIELD_NUMBER: _ClassVar[int]
     fixed_ms: float
     per_token_ms: float
     per_context_token_ms: float
-    def __init__(self, fixed_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., per_context_token_ms: _Optional[float] = ...) -> None: ...
+    per_decode_context_ms: float
+    def __init__(self, fixed_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., per_context_token_ms: _Optional[float] = ..., per_decode_context_ms: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -282,16 +284,20 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class BatchPolicy(_message.Message):
-    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "batch_window_ms")
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "batch_window_ms", "step_target_ms", "min_prefill_tokens")
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_num_batched_tokens: int
     max_num_seqs: int
     chunk_size: int
     batch_window_ms: int
-    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunk_size: _Optional[int] = ..., batch_window_ms: _Optional[int] = ...) -> None: ...
+    step_target_ms: int
+    min_prefill_tokens: int
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunk_size: _Optional[int] = ..., batch_window_ms: _Optional[int] = ..., step_target_ms: _Optional[int] = ..., min_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("heartbeat_ttl_ms", "heartbeat_interval_ms", "policy", "scheduler_id")
