@@ -173,7 +173,7 @@ def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], m
     if not model:
         return list(ranked)
     holders = [w for w in ranked if holding(records[w], model) is not None]
-    if policy is ModelPlacement.LATENCY:
+    if policy is ModelPlacement.LATENCY or len(holders) == len(ranked):
         return holders
     held = set(holders)
     loaders = [r.info.worker_id for r in loader_order(records[w] for w in ranked if w not in held)]

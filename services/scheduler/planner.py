@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from services.common.block_hash import hash_chain
+from services.common.block_hash import BlockHash, hash_chain
 from services.common.errors import FailedPrecondition, InvalidRequest, Unavailable
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable, WorkerLoads
@@ -127,13 +127,16 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     degraded = registry.degraded
     prompt_tokens = len(request.token_ids)
     loads = inflight.loads()
-    prefill_candidates = [_candidate(registry, loads, r, matched.get(r.info.worker_id, 0)) for r in prefill]
-    decode_candidates = [_candidate(registry, loads, r) for r in decode]
+    prefill_candidates = _candidates(registry, loads, prefill, matched)
+    decode_candidates = _candidates(registry, loads, decode, {})
     workers = {r.info.worker_id: r for r in records}
 
     def holders_first(scores: list[Score], room: list[str]) -> list[Score]:
+        ranked = [s.worker_id for s in scores]
+        order = prefer_holders(ranked, workers, request.model, room, registry.model_placement)
+        if order == ranked:  # every candidate holds the model (one-model workers): the router's order stands
+            return scores
         by_id = {s.worker_id: s for s in scores}
-        order = prefer_holders([s.worker_id for s in scores], workers, request.model, room, registry.model_placement)
         return [by_id[w] for w in order]
 
     prefill_room = (_with_room(prefill_candidates, prompt_tokens + 1) if colocated  # a prefill worker holds no KV
@@ -190,16 +193,23 @@ def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[Worker
 async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.SubmitRequest,
                           workers: list[WorkerRecord]) -> dict[str, int]:
     """Leading blocks of the prompt each worker caches (those caching none left out), hashing the
-    prompt once per block size and model."""
+    prompt once per block size and model. With one such chain for every worker (the usual case) the
+    index's answer is taken whole: it may name workers that are no candidates, never looked up."""
+    keys = {(w.info.block_size, _chain_model(request, w)) for w in workers}
+    if len(keys) == 1:
+        return await registry.match_prefix(_chain(request, *keys.pop()))
     groups: dict[tuple[int, str], set[str]] = {}
     for w in workers:
         groups.setdefault((w.info.block_size, _chain_model(request, w)), set()).add(w.info.worker_id)
     matched: dict[str, int] = {}
-    for (block_size, model), worker_ids in sorted(groups.items()):
-        chain = hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora, model=model)
-        found = await registry.match_prefix(chain)
-        matched.update({w: blocks for w, blocks in found.items() if w in worker_ids})
+    for (block_size, model), members in sorted(groups.items()):
+        found = await registry.match_prefix(_chain(request, block_size, model))
+        matched.update({w: blocks for w, blocks in found.items() if w in members})
     return matched
+
+
+def _chain(request: scheduler_pb2.SubmitRequest, block_size: int, model: str) -> list[BlockHash]:
+    return hash_chain(request.token_ids, block_size, salt=request.cache_salt, adapter=request.lora, model=model)
 
 
 def _chain_model(request: scheduler_pb2.SubmitRequest, record: WorkerRecord) -> str:
@@ -208,11 +218,17 @@ def _chain_model(request: scheduler_pb2.SubmitRequest, record: WorkerRecord) -> 
     return request.model or record.info.model
 
 
-def _candidate(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord,
-               cached_blocks: int = 0) -> Candidate:
-    worker_id = record.info.worker_id
-    return Candidate(worker_id, record.info.block_size, _free_blocks(registry, loads, record),
-                     loads.running(worker_id), loads.queued_prefill_tokens(worker_id), cached_blocks)
+def _candidates(registry: WorkerRegistry, loads: WorkerLoads, records: Iterable[WorkerRecord],
+                matched: dict[str, int]) -> list[Candidate]:
+    """The workers as routing sees them, `matched` their leading cached blocks. (One pass with the
+    loads' lookups bound once: routing builds one per worker on every request.)"""
+    running, queued, cached = loads.running, loads.queued_prefill_tokens, matched.get
+    candidates = []
+    for record in records:
+        worker_id = record.info.worker_id
+        candidates.append(Candidate(worker_id, record.info.block_size, _free_blocks(registry, loads, record),
+                                    running(worker_id), queued(worker_id), cached(worker_id, 0)))
+    return candidates
 
 
 def _free_blocks(registry: WorkerRegistry, loads: WorkerLoads, record: WorkerRecord) -> int:
