@@ -1,18 +1,24 @@
 """A worker's step-time cost model, fitted by least squares over its recent engine steps.
 
-One engine step that computes `new_tokens` tokens (decode tokens plus prefill chunk tokens)
-whose attention reads `context_tokens` KV entries in all takes about
+One engine step that computes `new_tokens` tokens (decode tokens plus prompt-chunk tokens), whose
+prompt chunks' attention reads `context_tokens` KV entries and whose decodes read
+`decode_context_tokens`, takes about
 
-    step_ms = fixed_ms + per_token_ms * new_tokens + per_context_token_ms * context_tokens
+    step_ms = fixed_ms + per_token_ms * new_tokens
+              + per_context_token_ms * context_tokens + per_decode_context_ms * decode_context_tokens
 
 `fixed_ms` is what every step pays whatever its size (Python, launch, sampling overhead),
-`per_token_ms` the weight GEMMs per row, `per_context_token_ms` the attention reads. The
-scheduler turns this model and its SLOs into the worker's batching policy
-(services/scheduler/batch_policy.py).
+`per_token_ms` the weight GEMMs per row. The two KV-read rates differ tenfold on a CPU: a prompt
+chunk's attention runs as matrix products (about 0.0005 ms an entry), a decode gathers its paged KV
+one sequence at a time (about 0.005 ms), so one rate for both mispriced every step. A decode at
+position p reads p + 1 entries; so does a prompt token at position p. The scheduler turns this model
+and its SLOs into the worker's batching policy (services/scheduler/batch_policy.py), and the worker's
+batch scheduler sizes each step's prompt chunks with it (services/runtime/batch_scheduler.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,23 +29,48 @@ import numpy as np
 class StepCost:
     fixed_ms: float
     per_token_ms: float
-    per_context_token_ms: float
+    per_context_token_ms: float  # a prompt chunk's KV entry read
+    per_decode_context_ms: float = 0.0  # a decode's KV entry read
 
-    def step_ms(self, new_tokens: int, context_tokens: int) -> float:
+    def step_ms(self, new_tokens: int, context_tokens: int, decode_context_tokens: int = 0) -> float:
         """Predicted time of one step."""
-        return self.fixed_ms + self.per_token_ms * new_tokens + self.per_context_token_ms * context_tokens
+        return (self.fixed_ms + self.per_token_ms * new_tokens + self.per_context_token_ms * context_tokens
+                + self.per_decode_context_ms * decode_context_tokens)
+
+    def decode_ms(self, context_tokens: int) -> float:
+        """What one decode reading `context_tokens` KV entries adds to a step."""
+        return self.per_token_ms + self.per_decode_context_ms * context_tokens
+
+    def chunk_ms(self, start: int, tokens: int) -> float:
+        """What a prompt chunk of `tokens` tokens from position `start` adds to a step (token p reads p + 1)."""
+        return self.per_token_ms * tokens + self.per_context_token_ms * (tokens * start + tokens * (tokens + 1) / 2)
+
+    def largest_chunk(self, start: int, ms: float) -> int:
+        """The most prompt tokens from position `start` whose chunk adds at most `ms` to a step."""
+        if ms <= 0:
+            return 0
+        if self.per_token_ms <= 0 and self.per_context_token_ms <= 0:
+            raise ValueError(f"a step cost with no per-token term cannot size a chunk: {self}")
+        a = self.per_context_token_ms / 2
+        b = self.per_token_ms + self.per_context_token_ms * (start + 0.5)
+        tokens = math.floor(ms / b if a == 0 else (math.sqrt(b * b + 4 * a * ms) - b) / (2 * a))
+        while tokens > 0 and self.chunk_ms(start, tokens) > ms:  # the root's rounding
+            tokens -= 1
+        return tokens
 
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
     new_tokens: int
     context_tokens: int
+    decode_context_tokens: int
     ms: float
 
 
 class StepCostFit:
     """The cost model over the last `window` steps; `fit()` is None until the steps vary enough
-    (at least `min_samples` of them, and both token counts not constant) to tell the terms apart.
+    (at least `min_samples` of them, and the token counts not constant) to tell the terms apart. A
+    KV-read term whose count was zero in every step (a prefill worker runs no decodes) fits as 0.
     The first `warmup` steps are not recorded: they pay one-time costs (first touch of the KV pool,
     kernel selection) that took a fresh CPU worker's fitted fixed cost to 900 ms."""
 
@@ -51,20 +82,23 @@ class StepCostFit:
         self._min_samples = min_samples
         self._skip = warmup
 
-    def record(self, new_tokens: int, context_tokens: int, ms: float) -> None:
+    def record(self, new_tokens: int, context_tokens: int, ms: float, decode_context_tokens: int = 0) -> None:
         if self._skip > 0:
             self._skip -= 1
             return
-        self._samples.append(StepSample(new_tokens, context_tokens, ms))
+        self._samples.append(StepSample(new_tokens, context_tokens, decode_context_tokens, ms))
 
     def fit(self) -> StepCost | None:
         if len(self._samples) < self._min_samples:
             return None
-        design = np.array([[1.0, s.new_tokens, s.context_tokens] for s in self._samples])
-        if np.linalg.matrix_rank(design) < 3:
+        design = np.array([[1.0, s.new_tokens, s.context_tokens, s.decode_context_tokens] for s in self._samples])
+        used = design.any(axis=0)
+        used[:2] = True
+        if np.linalg.matrix_rank(design[:, used]) < used.sum():
             return None
         times = np.array([s.ms for s in self._samples])
-        coefficients = _nonnegative_least_squares(design, times)
+        coefficients = np.zeros(design.shape[1])
+        coefficients[used] = _nonnegative_least_squares(design[:, used], times)
         return StepCost(*(float(c) for c in coefficients))
 
 

@@ -2,9 +2,12 @@
 
 Running sequences go first, in arrival order, one chunk each (a decode token or the next
 prompt chunk); a prompt chunk leaves one token of the budget for every decode behind it, so a long
-prompt admitted before them never takes a step from the decodes (the budget is what keeps a
-colocated step within the ITL target: services/scheduler/batch_policy.py). Waiting sequences are
-admitted after them while the token budget, the sequence cap and the free blocks allow. When a running sequence needs a block and none is free, the
+prompt admitted before them never takes a step from the decodes. Waiting sequences are admitted
+after them while the token budget, the sequence cap and the free blocks allow. With a step target
+(the scheduler's ITL target, services/scheduler/batch_policy.py) prompt chunks also share only the
+time the step's decodes leave under it, priced by the worker's step-cost model from the decodes'
+actual contexts and each chunk's position, but at least `min_prefill_tokens` a step, so prompts
+always progress. When a running sequence needs a block and none is free, the
 most recently admitted running sequence is preempted: its blocks are released and it waits at
 the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
 """
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.blocks import ceil_div
+from services.common.step_cost import StepCost
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.sequence import Sequence, SequenceStatus
@@ -40,6 +44,32 @@ class SchedulerLimits:
     enable_prefix_cache: bool
 
 
+@dataclass(frozen=True, slots=True)
+class StepTarget:
+    """Prompt chunks fit a step predicted (by `cost`) to end within `step_ms`, or take `min_prefill_tokens`."""
+
+    step_ms: float
+    min_prefill_tokens: int
+    cost: StepCost
+
+
+@dataclass(slots=True)
+class PromptTime:
+    """What one step has left for prompt chunks: `left_ms` of its target and `floor_tokens` of its minimum."""
+
+    cost: StepCost
+    left_ms: float
+    floor_tokens: int
+
+    def room(self, start: int) -> int:
+        """Prompt tokens from position `start` this step still has room for."""
+        return max(self.cost.largest_chunk(start, self.left_ms), self.floor_tokens)
+
+    def spend(self, start: int, tokens: int) -> None:
+        self.left_ms -= self.cost.chunk_ms(start, tokens)
+        self.floor_tokens = max(0, self.floor_tokens - tokens)
+
+
 class IterationScheduler:
     def __init__(self, blocks: BlockManager, counters: EngineCounters, limits: SchedulerLimits,
                  on_allocate: Callable[[list[int]], None] = lambda block_ids: None) -> None:
@@ -51,6 +81,7 @@ class IterationScheduler:
         self._on_allocate = on_allocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.target: StepTarget | None = None  # set by the worker from the scheduler's policy and its cost fit
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,18 +102,22 @@ class IterationScheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.limits.max_num_batched_tokens
+        prompts = self._prompt_time()
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one's blocks
                 continue
-            room = budget if seq.num_uncomputed_tokens == 1 else budget - self._decodes_behind(seq)
+            start, is_prompt = seq.num_computed_tokens, seq.num_uncomputed_tokens > 1
+            room = min(budget - self._decodes_behind(seq), self._prompt_room(prompts, start)) if is_prompt else budget
             num_new = min(seq.num_uncomputed_tokens, room, self.limits.chunk_size)
             if num_new <= 0 or not self._ensure_blocks(seq, num_new):
                 continue
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
+            if is_prompt and prompts is not None:
+                prompts.spend(start, num_new)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            chunk = self._admit(self.waiting[0], budget)
+            chunk = self._admit(self.waiting[0], budget, prompts)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -90,6 +125,19 @@ class IterationScheduler:
             chunks.append(chunk)
             budget -= chunk.num_new_tokens
         return chunks
+
+    def _prompt_time(self) -> PromptTime | None:
+        """The step target less the fixed cost and the running decodes' (a decode at position p reads p + 1 entries)."""
+        target = self.target
+        if target is None:
+            return None
+        decodes_ms = sum(target.cost.decode_ms(seq.num_tokens) for seq in self.running
+                         if seq.num_uncomputed_tokens == 1)
+        return PromptTime(target.cost, target.step_ms - target.cost.fixed_ms - decodes_ms, target.min_prefill_tokens)
+
+    @staticmethod
+    def _prompt_room(prompts: PromptTime | None, start: int) -> int:
+        return prompts.room(start) if prompts is not None else 1 << 30
 
     def _decodes_behind(self, seq: Sequence) -> int:
         """Running sequences after `seq` whose next chunk is a single token."""
@@ -107,14 +155,15 @@ class IterationScheduler:
         seq.block_table.extend(self._allocate(needed))
         return True
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+    def _admit(self, seq: Sequence, budget: int, prompts: PromptTime | None) -> ScheduledChunk | None:
         # A request for prompt logprobs computes its whole prompt: cached blocks have no logits.
         looked_up = self.limits.enable_prefix_cache and not seq.block_table and seq.params.prompt_logprobs is None
         hits = self._match_prefix(seq) if looked_up else []
         seq.num_computed_tokens = len(hits) * self.blocks.block_size
-        num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size)
+        start = seq.num_computed_tokens
+        num_new = min(seq.num_uncomputed_tokens, budget, self.limits.chunk_size, self._prompt_room(prompts, start))
         needed = self._blocks_needed(seq, num_new) - len(hits)
-        if not self.blocks.can_allocate(needed):
+        if num_new <= 0 or not self.blocks.can_allocate(needed):
             self.blocks.release(hits)
             seq.num_computed_tokens = 0
             return None
@@ -125,6 +174,8 @@ class IterationScheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
+        if prompts is not None:
+            prompts.spend(start, num_new)
         return ScheduledChunk(seq, num_new)
 
     def _allocate(self, n: int) -> list[int]:

@@ -1,28 +1,26 @@
 """A worker's batching policy from its step-cost model and the scheduler's TTFT and ITL targets.
 
-The model (services/common/step_cost.py) says what a step of `n` tokens, each reading about
-`context` KV entries, costs. Every step gives each running decode its token before a prompt chunk
-takes what is left of the token budget (services/runtime/batch_scheduler.py), so a budget whose
-full step fits the ITL target keeps every colocated decode step under it, however long the prompt
-being prefilled. A step full of decodes would leave prompts nothing, so the sequence cap keeps a
-share of every step for them, enough to prefill a typical prompt within the TTFT target in steps
-of the ITL target:
+The model (services/common/step_cost.py) prices a step from its tokens, its prompt chunks' KV reads
+and its decodes' KV reads. Every step gives each running decode its token before prompt chunks
+share what is left (services/runtime/batch_scheduler.py), and the worker sizes those chunks each step
+with its own cost model so the step is predicted to end within the ITL target (the step target),
+from its decodes' actual contexts. The policy sets the rest, for a decode reading `context` entries
+and a typical prompt's chunks:
 
-    token budget  B = floor((itl - fixed) / (per_token + per_context * context))
-                      (below one block: ceil(fixed / (per_token + per_context * context)))
-    prompt share  P = ceil(typical prompt * itl / ttft), at most B / 2
-    max sequences   = min(B - P, cap)
-    chunk size      = B rounded down to whole blocks (a chunk ends on a block edge)
+    prompt share  P = ceil(typical prompt * itl / ttft)   prompt tokens every step computes at least,
+                      so a typical prompt prefills within the TTFT target in steps of the ITL target
+    chunk size    C = the largest chunk a step holds alone within the ITL target, whole blocks
+    max sequences S = decodes that fit the ITL target beside P prompt tokens (at least 1, at most cap)
+    token budget    C + S
     window          = min(fixed, TTFT slack of a typical prompt)
 
-A target the worker cannot meet even with one block of tokens per step (its fixed cost alone is
-about the target, as on an oversubscribed CPU) is lost whatever the budget, so the steps' tokens get
-to cost as much as their fixed cost: steps of one block paid the fixed cost for a few tokens each (a
-fixed cost fitted at 3.3 s under load gave 16-token steps, 2.3 tokens/s in the long-prompt mix). A budget too
-small for both targets keeps half of it for prompts: the decodes still meet the ITL target, and
-prompts still progress. Waiting to form a prefill batch saves at most one step's fixed cost, so the
-window never exceeds it, and it never spends more than the slack the typical prompt's prefill leaves
-under the TTFT target.
+A target the worker cannot meet even with one decode and one block of prompt per step (its fixed
+cost alone is about the target, as on an oversubscribed CPU) is lost whatever the chunks, so it sets
+no step target and lets the steps' tokens cost about their fixed cost: steps of one block paid the
+fixed cost for a few tokens each (a fixed cost fitted at 3.3 s under load gave 16-token steps, 2.3
+tokens/s in the long-prompt mix). Waiting to form a prefill batch saves at most one step's fixed
+cost, so the window never exceeds it, and it never spends more than the slack the typical prompt's
+prefill leaves under the TTFT target.
 """
 
 from __future__ import annotations
@@ -55,6 +53,8 @@ class BatchPolicyNumbers:
     max_num_seqs: int
     chunk_size: int
     batch_window_ms: int
+    step_target_ms: int = 0  # 0: the token budget alone bounds a step
+    min_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class SloPolicy:
         flags size them for throughput (an ITL-sized budget cut its prompts into several times more steps).
         None too for a fit with no per-token cost (noise on a loaded machine): it sizes nothing, and the
         worker keeps the policy it has."""
-        if role is WorkerRole.PREFILL or cost.per_token_ms + cost.per_context_token_ms <= 0:
+        if role is WorkerRole.PREFILL or cost.per_token_ms <= 0:
             return None
         return policy_for(cost, ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms,
                                                context_tokens=self.context_tokens,
@@ -82,15 +82,32 @@ class SloPolicy:
 
 
 def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
-    budget = token_budget(cost, targets.itl_ms, targets.context_tokens)
-    if budget < targets.block_size:
-        budget = max(targets.block_size, math.ceil(cost.fixed_ms / _token_ms(cost, targets.context_tokens)))
+    if cost.per_token_ms <= 0:
+        raise ValueError(f"a step cost with no per-token term cannot size a budget: {cost}")
+    block, context = targets.block_size, targets.context_tokens
+    room_ms = targets.itl_ms - cost.fixed_ms
+    if room_ms < cost.decode_ms(context) + cost.chunk_ms(0, block):
+        return _unreachable_policy(cost, targets)
+    chunk = max(block, cost.largest_chunk(0, room_ms) // block * block)
+    share = prompt_share(targets)
+    share_ms = cost.chunk_ms(targets.typical_prompt_tokens // 2, share)
+    seqs = min(targets.max_seqs_cap, max(1, math.floor((room_ms - share_ms) / cost.decode_ms(context))))
+    return BatchPolicyNumbers(max_num_batched_tokens=chunk + seqs, max_num_seqs=seqs, chunk_size=chunk,
+                              batch_window_ms=_window_ms(cost, targets, chunk), step_target_ms=math.floor(targets.itl_ms),
+                              min_prefill_tokens=share)
+
+
+def _unreachable_policy(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
+    """Steps whose tokens cost about their fixed cost, half of them for prompts: the target is lost anyway."""
+    budget = max(targets.block_size, math.ceil(cost.fixed_ms / cost.decode_ms(targets.context_tokens)))
     chunk = budget // targets.block_size * targets.block_size
+    return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget - budget // 2, targets.max_seqs_cap),
+                              chunk_size=chunk, batch_window_ms=_window_ms(cost, targets, chunk))
+
+
+def _window_ms(cost: StepCost, targets: ServiceTargets, chunk: int) -> int:
     slack = targets.ttft_ms - prefill_ms(cost, targets.typical_prompt_tokens, chunk)
-    window = max(0.0, min(cost.fixed_ms, slack))
-    share = min(prompt_share(targets), budget // 2)
-    return BatchPolicyNumbers(max_num_batched_tokens=budget, max_num_seqs=min(budget - share, targets.max_seqs_cap),
-                              chunk_size=chunk, batch_window_ms=math.floor(window))
+    return math.floor(max(0.0, min(cost.fixed_ms, slack)))
 
 
 def prompt_share(targets: ServiceTargets) -> int:
@@ -99,21 +116,6 @@ def prompt_share(targets: ServiceTargets) -> int:
     return math.ceil(targets.typical_prompt_tokens * targets.itl_ms / targets.ttft_ms)
 
 
-def token_budget(cost: StepCost, itl_ms: float, context_tokens: int) -> int:
-    """The most tokens one step may compute and still end within `itl_ms` (0 when even one cannot)."""
-    return max(0, math.floor((itl_ms - cost.fixed_ms) / _token_ms(cost, context_tokens)))
-
-
-def _token_ms(cost: StepCost, context_tokens: int) -> float:
-    """What one more token costs a step when it reads `context_tokens` KV entries."""
-    per_token = cost.per_token_ms + cost.per_context_token_ms * context_tokens
-    if per_token <= 0:
-        raise ValueError(f"a step cost with no per-token term cannot size a budget: {cost}")
-    return per_token
-
-
 def prefill_ms(cost: StepCost, prompt_tokens: int, chunk_size: int) -> float:
     """Time to prefill a prompt alone in chunks of `chunk_size`: token i reads i + 1 KV entries."""
-    steps = math.ceil(prompt_tokens / chunk_size)
-    context = prompt_tokens * (prompt_tokens + 1) / 2
-    return steps * cost.fixed_ms + cost.per_token_ms * prompt_tokens + cost.per_context_token_ms * context
+    return math.ceil(prompt_tokens / chunk_size) * cost.fixed_ms + cost.chunk_ms(0, prompt_tokens)

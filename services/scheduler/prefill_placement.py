@@ -5,9 +5,10 @@ costs them inter-token latency, while a remote one costs a KV transfer and a pre
 queue. By the decode worker's step-cost model (services/common/step_cost.py), its next step with
 the prompt's uncached tokens and the prompt tokens already queued there (P in all) takes
 
-    step_ms(R + P new tokens, R * context + P * (P + 1) / 2 KV reads)     R: its running sequences
+    fixed + R * decode_ms(context) + chunk_ms(0, P)     R: its running sequences
 
-about per_token_ms * P more than its decodes alone. When that stays within the ITL target
+its decodes each reading `context` KV entries at the decode rate, the prompt's P * (P + 1) / 2 at
+the prompt chunks' rate. When that stays within the ITL target
 (--slo-itl-ms) the request prefills locally and its KV never moves; otherwise a prefill worker
 takes it. Until the decode worker reports a cost model, or without an ITL target, the prompt-length
 rule stands in: locally when P is at most `local_tokens`. With no prefill worker, always locally.
@@ -97,9 +98,8 @@ class PlacementPolicy:
 
     def next_step_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
         """The decode worker's next step with its running decodes and the whole local prefill in it."""
-        prefill = inputs.prefill_tokens
-        return cost.step_ms(inputs.running + prefill,
-                            inputs.running * self.context_tokens + prefill * (prefill + 1) // 2)
+        return (cost.fixed_ms + inputs.running * cost.decode_ms(self.context_tokens)
+                + cost.chunk_ms(0, inputs.prefill_tokens))
 
 
 class PrefillPlacement:

@@ -76,7 +76,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return None
         return scheduler_pb2.BatchPolicy(max_num_batched_tokens=numbers.max_num_batched_tokens,
                                          max_num_seqs=numbers.max_num_seqs, chunk_size=numbers.chunk_size,
-                                         batch_window_ms=numbers.batch_window_ms)
+                                         batch_window_ms=numbers.batch_window_ms,
+                                         step_target_ms=numbers.step_target_ms,
+                                         min_prefill_tokens=numbers.min_prefill_tokens)
 
     async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
                                context) -> scheduler_pb2.DeregisterWorkerResponse:
@@ -111,4 +113,4 @@ def _step_cost(load: scheduler_pb2.WorkerLoad) -> StepCost | None:
     if not load.HasField("step_cost"):
         return None
     model = load.step_cost
-    return StepCost(model.fixed_ms, model.per_token_ms, model.per_context_token_ms)
+    return StepCost(model.fixed_ms, model.per_token_ms, model.per_context_token_ms, model.per_decode_context_ms)

@@ -28,6 +28,7 @@ from services.common.errors import FailedPrecondition, NotFound, Overloaded
 from services.common.metrics import ServiceMetrics
 from services.common.spans import Attr, SpanName
 from services.common.step_cost import StepCost, StepCostFit
+from services.runtime.batch_scheduler import StepTarget
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
@@ -46,6 +47,7 @@ from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.worker")
+STEP_COST_REFIT_STEPS = 16  # under a step target, the engines get the refitted cost model this often
 BLOCKS_WAIT_S = 0.5  # prefix-cache changes wait this long for a token batch to ride before going alone
 # A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
 EngineLoader = Callable[[str], Awaitable[Engine]]
@@ -114,6 +116,7 @@ class WorkerRuntime:
         self.registrations: list[Registration] = []  # once the primary model is loaded: see start
         self.block_size = 0  # tokens per KV block, of every model's pool: known once the primary loads
         self.step_cost = StepCostFit()
+        self._steps_since_refit = 0
         self.policy = scheduler_pb2.BatchPolicy()
         self._limits: dict[str, int] = {}  # the policy's batch limits, for every engine loaded later too
         self.failed = asyncio.Event()
@@ -221,6 +224,7 @@ class WorkerRuntime:
                                                       self._on_failure), KvHandoff(engine))
         served.loop.batch_window_s = self.policy.batch_window_ms / 1000
         engine.scheduler.limits = replace(engine.scheduler.limits, **self._limits)
+        engine.scheduler.target = self._step_target()
         served.loop.start()
         if self.metrics is not None:
             self.metrics.model_loaded(name, seconds)
@@ -326,9 +330,27 @@ class WorkerRuntime:
         self.spans.on_step(step)
         self._waiters.note(step.outputs)
         if step.work:
-            self.step_cost.record(sum(w.num_new_tokens for w in step.work.values()),
-                                  sum(w.num_context_tokens for w in step.work.values()),
-                                  (step.ended_ns - step.started_ns) / 1e6)
+            self._record_step_cost(step, served)
+
+    def _record_step_cost(self, step: StepResult, served: ServedModel | None) -> None:
+        """The step in the cost fit (a one-token chunk is a decode); under a step target the engine's
+        batch scheduler gets the refitted model every STEP_COST_REFIT_STEPS steps."""
+        works = step.work.values()
+        decode_context = sum(w.num_context_tokens for w in works if w.num_new_tokens == 1)
+        self.step_cost.record(sum(w.num_new_tokens for w in works),
+                              sum(w.num_context_tokens for w in works) - decode_context,
+                              (step.ended_ns - step.started_ns) / 1e6, decode_context)
+        self._steps_since_refit += 1
+        if self.policy.step_target_ms > 0 and served is not None and self._steps_since_refit >= STEP_COST_REFIT_STEPS:
+            self._steps_since_refit = 0
+            served.engine.scheduler.target = self._step_target()
+
+    def _step_target(self) -> StepTarget | None:
+        """The policy's step target with this worker's latest cost fit (None: no target, or no fit yet)."""
+        cost = self.step_cost.fit()
+        if self.policy.step_target_ms <= 0 or cost is None:
+            return None
+        return StepTarget(self.policy.step_target_ms, self.policy.min_prefill_tokens, cost)
 
     def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing) to every scheduler, with the
@@ -398,8 +420,11 @@ class WorkerRuntime:
         if self.metrics is not None:
             record_policy(self.metrics, policy)
 
+        target = self._step_target()
+
         def apply(engine: Engine) -> None:
             engine.scheduler.limits = replace(engine.scheduler.limits, **changes)
+            engine.scheduler.target = target
 
         for served in self.models.models().values():
             served.loop.batch_window_s = policy.batch_window_ms / 1000
@@ -467,4 +492,5 @@ def _step_cost_to_pb(cost: StepCost | None) -> scheduler_pb2.StepCostModel | Non
     if cost is None:
         return None
     return scheduler_pb2.StepCostModel(fixed_ms=cost.fixed_ms, per_token_ms=cost.per_token_ms,
-                                       per_context_token_ms=cost.per_context_token_ms)
+                                       per_context_token_ms=cost.per_context_token_ms,
+                                       per_decode_context_ms=cost.per_decode_context_ms)

@@ -70,7 +70,8 @@ def policy_attributes(policy: scheduler_pb2.BatchPolicy) -> dict[str, int]:
     """The batching policy as span attributes of the requests that run under it."""
     return {"tandem.batch.max_num_batched_tokens": policy.max_num_batched_tokens,
             "tandem.batch.max_num_seqs": policy.max_num_seqs, "tandem.batch.chunk_size": policy.chunk_size,
-            "tandem.batch.window_ms": policy.batch_window_ms}
+            "tandem.batch.window_ms": policy.batch_window_ms, "tandem.batch.step_target_ms": policy.step_target_ms,
+            "tandem.batch.min_prefill_tokens": policy.min_prefill_tokens}
 
 
 def record_policy(metrics: ServiceMetrics, policy: scheduler_pb2.BatchPolicy) -> None:

@@ -1,10 +1,11 @@
 """Batching policy numbers from a given step-cost model and SLOs."""
 
+import math
+
 import pytest
 
 from services.common.step_cost import StepCost
 from services.common.store import WorkerRole
-import math
 
 from services.scheduler.batch_policy import (
     BatchPolicyNumbers,
@@ -13,10 +14,9 @@ from services.scheduler.batch_policy import (
     policy_for,
     prefill_ms,
     prompt_share,
-    token_budget,
 )
 
-COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001)
+COST = StepCost(fixed_ms=10.0, per_token_ms=0.05, per_context_token_ms=0.0001, per_decode_context_ms=0.001)
 
 
 def targets(ttft_ms: float, itl_ms: float) -> ServiceTargets:
@@ -25,53 +25,54 @@ def targets(ttft_ms: float, itl_ms: float) -> ServiceTargets:
 
 
 def test_policy_numbers_from_cost_and_slos() -> None:
-    # budget floor(40 / (0.05 + 0.1024)) = 262; prompts' share ceil(512 * 50 / 1000) = 26, so at most
-    # 236 sequences; chunk 256 (16 whole blocks); window = fixed cost 10 ms
+    # A chunk alone: the most tokens with 0.05 n + 0.0001 n (n + 1) / 2 <= 50 - 10 is 524, so 512 (whole blocks).
+    # Prompts' share ceil(512 * 50 / 1000) = 26 tokens from position 256: 1.3 + 0.0001 * (26 * 256 + 351) ms;
+    # a decode reading 1,024 entries 0.05 + 1.024 ms, so floor((40 - 2.0007) / 1.074) = 35 sequences.
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=50)) == BatchPolicyNumbers(
-        max_num_batched_tokens=262, max_num_seqs=236, chunk_size=256, batch_window_ms=10)
+        max_num_batched_tokens=547, max_num_seqs=35, chunk_size=512, batch_window_ms=10, step_target_ms=50,
+        min_prefill_tokens=26)
 
 
-def test_a_step_full_of_decodes_leaves_prompts_enough_to_meet_the_ttft_target() -> None:
+def test_the_capped_decodes_and_the_prompt_share_fit_the_itl_target() -> None:
     goal = targets(ttft_ms=1000, itl_ms=50)
     policy = policy_for(COST, goal)
-    left = policy.max_num_batched_tokens - policy.max_num_seqs
-    assert left == prompt_share(goal) == 26
-    assert math.ceil(512 / left) * 50 <= 1000 < math.ceil(512 / (left - 1)) * 50
+    share_ms = COST.chunk_ms(256, prompt_share(goal))
+    assert COST.fixed_ms + policy.max_num_seqs * COST.decode_ms(1024) + share_ms <= 50
+    assert COST.fixed_ms + (policy.max_num_seqs + 1) * COST.decode_ms(1024) + share_ms > 50
+    assert math.ceil(512 / policy.min_prefill_tokens) * 50 <= 1000 < math.ceil(512 / (policy.min_prefill_tokens - 1)) * 50
 
 
-def test_a_budget_too_small_for_both_targets_keeps_half_for_prompts() -> None:
-    goal = targets(ttft_ms=100, itl_ms=50)
-    assert prompt_share(goal) == 256
+def test_a_share_too_large_for_any_decode_still_admits_one() -> None:
+    goal = targets(ttft_ms=55, itl_ms=50)
+    assert prompt_share(goal) == 466
     assert policy_for(COST, goal) == BatchPolicyNumbers(
-        max_num_batched_tokens=262, max_num_seqs=131, chunk_size=256, batch_window_ms=10)
+        max_num_batched_tokens=513, max_num_seqs=1, chunk_size=512, batch_window_ms=6, step_target_ms=50,
+        min_prefill_tokens=466)
 
 
 def test_the_scheduler_cap_bounds_the_sequences() -> None:
-    goal = ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=1024, typical_prompt_tokens=512, max_seqs_cap=64,
+    goal = ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=1024, typical_prompt_tokens=512, max_seqs_cap=16,
                           block_size=16)
-    assert policy_for(COST, goal).max_num_seqs == 64
+    assert policy_for(COST, goal).max_num_seqs == 16
+    assert policy_for(COST, goal).max_num_batched_tokens == 512 + 16
 
 
 def test_window_is_the_ttft_slack_when_smaller_than_a_step() -> None:
     assert prefill_ms(COST, 512, 256) == pytest.approx(20 + 25.6 + 13.1328)
-    assert policy_for(COST, targets(ttft_ms=65, itl_ms=50)).batch_window_ms == 6
-    assert policy_for(COST, targets(ttft_ms=50, itl_ms=50)).batch_window_ms == 0
-
-
-def test_full_budget_step_meets_the_itl_target() -> None:
-    policy = policy_for(COST, targets(ttft_ms=1000, itl_ms=50))
-    assert COST.step_ms(policy.max_num_batched_tokens, policy.max_num_batched_tokens * 1024) <= 50
-    assert COST.step_ms(policy.max_num_batched_tokens + 1, (policy.max_num_batched_tokens + 1) * 1024) > 50
+    assert policy_for(COST, targets(ttft_ms=65, itl_ms=50)).batch_window_ms == 10
+    assert policy_for(COST, targets(ttft_ms=55, itl_ms=50)).batch_window_ms == 6  # 55 - 48.7328
+    assert policy_for(COST, targets(ttft_ms=48, itl_ms=50)).batch_window_ms == 0
 
 
 def test_an_itl_target_the_worker_cannot_meet_gets_steps_whose_tokens_cost_the_fixed_cost() -> None:
-    assert token_budget(COST, itl_ms=5, context_tokens=1024) == 0
-    # ceil(10 / 0.1524) = 66 tokens; chunk 64; prompts' share ceil(512 * 5 / 1000) = 3
-    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=5)) == BatchPolicyNumbers(
-        max_num_batched_tokens=66, max_num_seqs=63, chunk_size=64, batch_window_ms=10)
-    assert token_budget(COST, itl_ms=11, context_tokens=1024) == 6  # under a block: the target is lost too
-    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)).max_num_batched_tokens == 66
-    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=12.5)).max_num_batched_tokens == 16
+    # 11 ms leaves 1 ms beside the fixed cost: less than one decode (1.074) and a block of prompt (0.8136).
+    # ceil(10 / 1.074) = 10 tokens, under a block: 16; half for prompts; no step target.
+    assert policy_for(COST, targets(ttft_ms=1000, itl_ms=11)) == BatchPolicyNumbers(
+        max_num_batched_tokens=16, max_num_seqs=8, chunk_size=16, batch_window_ms=10)
+    slow = StepCost(fixed_ms=100.0, per_token_ms=0.05, per_context_token_ms=0.0001, per_decode_context_ms=0.001)
+    # ceil(100 / 1.074) = 94 tokens, chunk 80; window: the slack 1000 - (7 * 100 + 38.7328) caps at the fixed cost
+    assert policy_for(slow, targets(ttft_ms=1000, itl_ms=50)) == BatchPolicyNumbers(
+        max_num_batched_tokens=94, max_num_seqs=47, chunk_size=80, batch_window_ms=100)
 
 
 def test_a_cost_model_without_a_per_token_term_is_refused() -> None:

@@ -2,7 +2,8 @@
 
 from dataclasses import replace
 
-from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits
+from services.common.step_cost import StepCost
+from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits, StepTarget
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.sampler import SamplingParams
@@ -56,3 +57,44 @@ def test_a_budget_the_decodes_fill_gives_the_prompt_nothing() -> None:
     assert run(batches.schedule()) == [("long", 8), ("a", 2), ("b", 2)]
     batches.limits = replace(batches.limits, max_num_batched_tokens=2)
     assert run(batches.schedule()) == [("a", 1), ("b", 1)]
+
+
+# A decode at position p costs 1 + 0.1 (p + 1) ms; a prompt chunk n + 0.01 * (its KV reads) ms; 10 ms a step.
+COST = StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.01, per_decode_context_ms=0.1)
+
+
+def with_two_decodes() -> IterationScheduler:
+    """Decodes a and b (4 tokens each: their next token reads 4 KV entries), and no target yet."""
+    batches = scheduler(budget=64, chunk=64)
+    batches.add(seq("a", 3))
+    batches.add(seq("b", 3))
+    assert run(batches.schedule()) == [("a", 3), ("b", 3)]
+    return batches
+
+
+def test_prompt_chunks_fill_the_time_the_decodes_leave_under_the_step_target() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST)
+    batches.add(seq("long", 40))
+    # 50 - 10 - 2 * 1.4 = 37.2 ms: 31 tokens from position 0 (32 would take 37.28)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 31)]
+    # 50 - 10 - 2 * 1.5 = 37 ms: from position 31 the chunk's reads cost more, 25 tokens fit but 9 are left
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 9)]
+
+
+def test_a_running_prompt_chunk_is_priced_from_its_position() -> None:
+    batches = scheduler(budget=64, chunk=64)
+    batches.target = StepTarget(step_ms=47.0, min_prefill_tokens=4, cost=COST)
+    batches.add(seq("long", 80))
+    assert run(batches.schedule()) == [("long", 31)]  # 37 ms: 31 tokens from position 0 take 35.96
+    assert run(batches.schedule()) == [("long", 25)]  # from position 31: 36 ms; 26 would take 37.57
+
+
+def test_decodes_that_leave_no_time_still_let_the_prompts_progress_by_the_minimum() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=5, cost=COST)
+    batches.add(seq("long", 40))
+    batches.add(seq("c", 20))
+    # 12 - 10 - 2.8 < 0: the first prompt takes the step's 5-token minimum; c finds no room and waits
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 5)]
+    assert [s.request_id for s in batches.waiting] == ["c"]

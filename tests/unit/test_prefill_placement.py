@@ -56,10 +56,10 @@ def test_prompt_tokens_queued_on_the_decode_worker_join_the_same_step() -> None:
     assert (decision.site, decision.reason) == (PrefillSite.REMOTE, Reason.OVER_ITL)
 
 
-def test_the_attention_term_counts_running_contexts_and_the_prefill_triangle() -> None:
-    cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.001)
-    # 10 + 0.1 * 102 + 0.001 * (2 * 1024 + 100 * 101 / 2) = 10 + 10.2 + 7.098
-    assert ITL.next_step_ms(cost, inputs(100, running=2)) == pytest.approx(27.298)
+def test_the_decodes_read_their_contexts_at_the_decode_rate_and_the_prefill_its_triangle_at_the_prompt_rate() -> None:
+    cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.001, per_decode_context_ms=0.01)
+    # 10 + 0.1 * 102 + 0.01 * 2 * 1024 + 0.001 * 100 * 101 / 2 = 10 + 10.2 + 20.48 + 5.05
+    assert ITL.next_step_ms(cost, inputs(100, running=2)) == pytest.approx(45.73)
 
 
 def test_without_a_cost_model_or_an_itl_target_the_prompt_length_rule_decides() -> None:

@@ -404,12 +404,13 @@ async def test_a_heartbeat_with_a_step_cost_model_gets_the_policy_meeting_the_sl
                                         num_blocks=8, block_size=16)
         await mesh.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
         unfitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id="d-9"), metadata=CLIENT_METADATA)
-        cost = scheduler_pb2.StepCostModel(fixed_ms=10, per_token_ms=0.05, per_context_token_ms=0.0001)
+        cost = scheduler_pb2.StepCostModel(fixed_ms=10, per_token_ms=0.05, per_context_token_ms=0.0001,
+                                           per_decode_context_ms=0.001)
         fitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
             worker_id="d-9", load=scheduler_pb2.WorkerLoad(step_cost=cost)), metadata=CLIENT_METADATA)
     assert unfitted.known and not unfitted.HasField("policy")
-    assert fitted.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=262, max_num_seqs=64, chunk_size=256,
-                                                      batch_window_ms=10)
+    assert fitted.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=544, max_num_seqs=32, chunk_size=512,
+                                                      batch_window_ms=10, step_target_ms=50, min_prefill_tokens=52)
 
 
 def test_slo_targets_go_together() -> None:

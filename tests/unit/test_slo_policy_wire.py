@@ -22,7 +22,8 @@ from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 TOKEN = "s3cret"
 WORKER = scheduler_pb2.WorkerInfo(worker_id="colo-w", role=common_pb2.WORKER_ROLE_COLOCATED, address="127.0.0.1:1",
                                   model="smol", num_blocks=64, block_size=16)
-POLICY = scheduler_pb2.BatchPolicy(max_num_batched_tokens=262, max_num_seqs=8, chunk_size=256, batch_window_ms=10)
+POLICY = scheduler_pb2.BatchPolicy(max_num_batched_tokens=520, max_num_seqs=8, chunk_size=512, batch_window_ms=10,
+                                   step_target_ms=50, min_prefill_tokens=52)
 
 
 async def test_heartbeats_bring_the_policy_once_the_worker_reports_a_cost_model() -> None:
@@ -45,7 +46,7 @@ async def test_heartbeats_bring_the_policy_once_the_worker_reports_a_cost_model(
         assert await registration.heartbeat()
         assert received == []
         load.step_cost.CopyFrom(scheduler_pb2.StepCostModel(fixed_ms=10, per_token_ms=0.05,
-                                                            per_context_token_ms=0.0001))
+                                                            per_context_token_ms=0.0001, per_decode_context_ms=0.001))
         assert await registration.heartbeat()
     finally:
         await registration.stop(deregister=False)
@@ -57,10 +58,12 @@ async def test_heartbeats_bring_the_policy_once_the_worker_reports_a_cost_model(
 
 
 def test_the_policy_on_spans_and_in_metrics() -> None:
-    assert policy_attributes(POLICY) == {"tandem.batch.max_num_batched_tokens": 262, "tandem.batch.max_num_seqs": 8,
-                                         "tandem.batch.chunk_size": 256, "tandem.batch.window_ms": 10}
+    assert policy_attributes(POLICY) == {"tandem.batch.max_num_batched_tokens": 520, "tandem.batch.max_num_seqs": 8,
+                                         "tandem.batch.chunk_size": 512, "tandem.batch.window_ms": 10,
+                                         "tandem.batch.step_target_ms": 50, "tandem.batch.min_prefill_tokens": 52}
     metrics = ServiceMetrics("m", "colo-w")
     record_policy(metrics, POLICY)
     labels = {"model_name": "m", "worker": "colo-w"}
-    assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "max_num_batched_tokens"}) == 262
+    assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "max_num_batched_tokens"}) == 520
     assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "window_ms"}) == 10
+    assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "step_target_ms"}) == 50

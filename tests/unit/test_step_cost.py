@@ -20,6 +20,42 @@ def test_fit_recovers_exact_coefficients() -> None:
     assert cost.per_context_token_ms == pytest.approx(0.002)
 
 
+def test_fit_tells_the_decode_kv_rate_from_the_prompt_chunks() -> None:
+    truth = StepCost(fixed_ms=46.0, per_token_ms=1.1, per_context_token_ms=0.0005, per_decode_context_ms=0.005)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
+    for i in range(24):
+        new, context, decode_context = 8 + 13 * (i % 4), 2000 * (i % 3), 150 * (1 + i % 7)
+        fit.record(new, context, truth.step_ms(new, context, decode_context), decode_context)
+    cost = fit.fit()
+    assert cost is not None
+    assert (cost.fixed_ms, cost.per_token_ms) == (pytest.approx(46.0), pytest.approx(1.1))
+    assert cost.per_context_token_ms == pytest.approx(0.0005)
+    assert cost.per_decode_context_ms == pytest.approx(0.005)
+
+
+def test_a_rate_whose_reads_never_happened_fits_as_zero() -> None:
+    truth = StepCost(fixed_ms=12.0, per_token_ms=0.25, per_context_token_ms=0.002)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
+    for i in range(20):  # a prefill worker: no decodes
+        new, context = 16 + 16 * (i % 5), 500 + 313 * (i % 3)
+        fit.record(new, context, truth.step_ms(new, context))
+    cost = fit.fit()
+    assert cost is not None
+    assert cost.per_decode_context_ms == 0.0
+    assert cost.per_context_token_ms == pytest.approx(0.002)
+
+
+def test_chunk_cost_and_the_largest_chunk_within_a_time() -> None:
+    cost = StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.01, per_decode_context_ms=0.1)
+    # positions 31..55 read 32..56 entries: 25 + 0.01 * (25 * 31 + 25 * 26 / 2)
+    assert cost.chunk_ms(31, 25) == pytest.approx(36.0)
+    assert cost.largest_chunk(31, 37.0) == 25  # 26 tokens: 37.57 ms
+    assert cost.largest_chunk(0, 37.2) == 31  # 32 tokens: 37.28 ms
+    assert cost.largest_chunk(0, 0.5) == 0 and cost.largest_chunk(5, -1.0) == 0
+    assert cost.decode_ms(40) == pytest.approx(5.0)
+    assert StepCost(fixed_ms=1.0, per_token_ms=0.5, per_context_token_ms=0.0).largest_chunk(100, 10.0) == 20
+
+
 def test_no_fit_until_enough_varied_steps() -> None:
     fit = StepCostFit(window=64, min_samples=16, warmup=0)
     for _ in range(15):
