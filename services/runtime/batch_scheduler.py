@@ -7,7 +7,8 @@ after them while the token budget, the sequence cap and the free blocks allow. W
 (the scheduler's ITL target, services/scheduler/batch_policy.py) prompt chunks also share only the
 time the step's decodes leave under it, priced by the worker's step-cost model from the decodes'
 actual contexts and each chunk's position, but at least `min_prefill_tokens` a step, so prompts
-always progress. When a running sequence needs a block and none is free, the
+always progress; and a waiting sequence is admitted only while the decodes' steps, its own included,
+leave that minimum room (so the running set is sized from actual contexts, not a typical one). When a running sequence needs a block and none is free, the
 most recently admitted running sequence is preempted: its blocks are released and it waits at
 the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
 """
@@ -46,28 +47,46 @@ class SchedulerLimits:
 
 @dataclass(frozen=True, slots=True)
 class StepTarget:
-    """Prompt chunks fit a step predicted (by `cost`) to end within `step_ms`, or take `min_prefill_tokens`."""
+    """Prompt chunks fit a step predicted (by `cost`) to end within `step_ms`, or take `min_prefill_tokens`;
+    a sequence is admitted while the decodes' steps, its own included, leave that minimum room. Without
+    a cost model yet (a fresh worker) prompts get only the minimum, and admission only the caps."""
 
     step_ms: float
     min_prefill_tokens: int
-    cost: StepCost
+    cost: StepCost | None
 
 
 @dataclass(slots=True)
 class PromptTime:
-    """What one step has left for prompt chunks: `left_ms` of its target and `floor_tokens` of its minimum."""
+    """One step under its target: `decodes_ms` the running decodes cost a step (the admitted ones' from
+    the next), `left_ms` what this step has left for prompt chunks, `floor_tokens` what it still owes them."""
 
-    cost: StepCost
+    target: StepTarget
+    decodes_ms: float
     left_ms: float
     floor_tokens: int
 
     def room(self, start: int) -> int:
         """Prompt tokens from position `start` this step still has room for."""
-        return max(self.cost.largest_chunk(start, self.left_ms), self.floor_tokens)
+        cost = self.target.cost
+        return self.floor_tokens if cost is None else max(cost.largest_chunk(start, self.left_ms), self.floor_tokens)
 
     def spend(self, start: int, tokens: int) -> None:
-        self.left_ms -= self.cost.chunk_ms(start, tokens)
+        if self.target.cost is not None:
+            self.left_ms -= self.target.cost.chunk_ms(start, tokens)
         self.floor_tokens = max(0, self.floor_tokens - tokens)
+
+    def admits(self, context_tokens: int) -> bool:
+        """Whether a sequence decoding from `context_tokens` leaves its later steps the minimum prompt chunk."""
+        cost = self.target.cost
+        if cost is None:
+            return True
+        decodes_ms = self.decodes_ms + cost.decode_ms(context_tokens)
+        return cost.fixed_ms + decodes_ms + cost.chunk_ms(0, self.target.min_prefill_tokens) <= self.target.step_ms
+
+    def admit(self, context_tokens: int) -> None:
+        if self.target.cost is not None:
+            self.decodes_ms += self.target.cost.decode_ms(context_tokens)
 
 
 class IterationScheduler:
@@ -117,6 +136,8 @@ class IterationScheduler:
             if is_prompt and prompts is not None:
                 prompts.spend(start, num_new)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            if prompts is not None and self.running and not prompts.admits(self.waiting[0].num_tokens):
+                break
             chunk = self._admit(self.waiting[0], budget, prompts)
             if chunk is None:
                 break
@@ -131,9 +152,12 @@ class IterationScheduler:
         target = self.target
         if target is None:
             return None
+        if target.cost is None:
+            return PromptTime(target, 0.0, 0.0, target.min_prefill_tokens)
         decodes_ms = sum(target.cost.decode_ms(seq.num_tokens) for seq in self.running
                          if seq.num_uncomputed_tokens == 1)
-        return PromptTime(target.cost, target.step_ms - target.cost.fixed_ms - decodes_ms, target.min_prefill_tokens)
+        return PromptTime(target, decodes_ms, target.step_ms - target.cost.fixed_ms - decodes_ms,
+                          target.min_prefill_tokens)
 
     @staticmethod
     def _prompt_room(prompts: PromptTime | None, start: int) -> int:
@@ -176,6 +200,7 @@ class IterationScheduler:
         seq.status = SequenceStatus.RUNNING
         if prompts is not None:
             prompts.spend(start, num_new)
+            prompts.admit(seq.num_tokens)
         return ScheduledChunk(seq, num_new)
 
     def _allocate(self, n: int) -> list[int]:

@@ -10,9 +10,13 @@ and a typical prompt's chunks:
     prompt share  P = ceil(typical prompt * itl / ttft)   prompt tokens every step computes at least,
                       so a typical prompt prefills within the TTFT target in steps of the ITL target
     chunk size    C = the largest chunk a step holds alone within the ITL target, whole blocks
-    max sequences S = decodes that fit the ITL target beside P prompt tokens (at least 1, at most cap)
+    max sequences S = the scheduler's cap: the worker admits a sequence only while the decodes' steps,
+                      priced from their actual contexts, leave P prompt tokens room
     token budget    C + S
     window          = min(fixed, TTFT slack of a typical prompt)
+
+A worker registering gets the step target and P before it has fitted a cost model, and prefills P
+tokens a step until it has (a fresh worker's first long prompt took a whole step of 2,048 tokens).
 
 A target the worker cannot meet even with one decode and one block of prompt per step (its fixed
 cost alone is about the target, as on an oversubscribed CPU) is lost whatever the chunks, so it sets
@@ -75,10 +79,21 @@ class SloPolicy:
         worker keeps the policy it has."""
         if role is WorkerRole.PREFILL or cost.per_token_ms <= 0:
             return None
-        return policy_for(cost, ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms,
-                                               context_tokens=self.context_tokens,
-                                               typical_prompt_tokens=self.context_tokens,
-                                               max_seqs_cap=self.max_seqs_cap, block_size=block_size))
+        return policy_for(cost, self._targets(block_size))
+
+    def before_fit(self, role: WorkerRole) -> BatchPolicyNumbers | None:
+        """What a registering colocated or decode worker gets before it has a cost model: the step target
+        and the prompt share, its own flags otherwise."""
+        if role is WorkerRole.PREFILL:
+            return None
+        return BatchPolicyNumbers(max_num_batched_tokens=0, max_num_seqs=0, chunk_size=0, batch_window_ms=0,
+                                  step_target_ms=math.floor(self.itl_ms),
+                                  min_prefill_tokens=prompt_share(self._targets(block_size=1)))
+
+    def _targets(self, block_size: int) -> ServiceTargets:
+        return ServiceTargets(ttft_ms=self.ttft_ms, itl_ms=self.itl_ms, context_tokens=self.context_tokens,
+                              typical_prompt_tokens=self.context_tokens, max_seqs_cap=self.max_seqs_cap,
+                              block_size=block_size)
 
 
 def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
@@ -89,12 +104,10 @@ def policy_for(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:
     if room_ms < cost.decode_ms(context) + cost.chunk_ms(0, block):
         return _unreachable_policy(cost, targets)
     chunk = max(block, cost.largest_chunk(0, room_ms) // block * block)
-    share = prompt_share(targets)
-    share_ms = cost.chunk_ms(targets.typical_prompt_tokens // 2, share)
-    seqs = min(targets.max_seqs_cap, max(1, math.floor((room_ms - share_ms) / cost.decode_ms(context))))
+    seqs = targets.max_seqs_cap
     return BatchPolicyNumbers(max_num_batched_tokens=chunk + seqs, max_num_seqs=seqs, chunk_size=chunk,
                               batch_window_ms=_window_ms(cost, targets, chunk), step_target_ms=math.floor(targets.itl_ms),
-                              min_prefill_tokens=share)
+                              min_prefill_tokens=prompt_share(targets))
 
 
 def _unreachable_policy(cost: StepCost, targets: ServiceTargets) -> BatchPolicyNumbers:

@@ -11,6 +11,7 @@ from services.common.errors import InvalidRequest
 from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
 from services.common.step_cost import StepCost
+from services.common.store import WorkerRole
 from services.scheduler import migration
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
@@ -55,9 +56,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         ttl_ms = round(self._registry.ttl * 1000)
         return scheduler_pb2.RegisterWorkerResponse(
             heartbeat_ttl_ms=ttl_ms, heartbeat_interval_ms=max(1, ttl_ms // HEARTBEATS_PER_TTL),
-            policy=self._policy, scheduler_id=self._scheduler_id)
+            policy=self._registration_policy(info.role), scheduler_id=self._scheduler_id)
 
-    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
+    def _registration_policy(self, role: WorkerRole) -> scheduler_pb2.BatchPolicy:
+        """The configured policy; under SLOs with the step target a worker keeps until its heartbeats bring the rest."""
+        numbers = self._slo.before_fit(role) if self._slo is not None else None
+        if numbers is None:
+            return self._policy
+        policy = scheduler_pb2.BatchPolicy()
+        policy.CopyFrom(self._policy)
+        policy.step_target_ms, policy.min_prefill_tokens = numbers.step_target_ms, numbers.min_prefill_tokens
+        return policy
+
+    async def Heartbeats(self, request_iterator: AsyncIterator[scheduler_pb2.HeartbeatRequest],
+                         context) -> AsyncIterator[scheduler_pb2.HeartbeatResponse]:
+        async for request in request_iterator:
+            yield await self._heartbeat(request)
+
+    async def _heartbeat(self, request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
         if not known:
             return scheduler_pb2.HeartbeatResponse(known=False)

@@ -346,11 +346,10 @@ class WorkerRuntime:
             served.engine.scheduler.target = self._step_target()
 
     def _step_target(self) -> StepTarget | None:
-        """The policy's step target with this worker's latest cost fit (None: no target, or no fit yet)."""
-        cost = self.step_cost.fit()
-        if self.policy.step_target_ms <= 0 or cost is None:
+        """The policy's step target with this worker's latest cost fit (None: no target)."""
+        if self.policy.step_target_ms <= 0:
             return None
-        return StepTarget(self.policy.step_target_ms, self.policy.min_prefill_tokens, cost)
+        return StepTarget(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost.fit())
 
     def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing) to every scheduler, with the
@@ -409,7 +408,7 @@ class WorkerRuntime:
         fields = {"max_num_batched_tokens": policy.max_num_batched_tokens, "max_num_seqs": policy.max_num_seqs,
                   "chunk_size": policy.chunk_size}
         changes = {name: value for name, value in fields.items() if value > 0}
-        if not changes or policy == self.policy:
+        if not (changes or policy.step_target_ms) or policy == self.policy:
             return
         log.info("applying the scheduler's batch policy %s (batching window %d ms; step cost here %s)", changes,
                  policy.batch_window_ms, self.step_cost.fit())

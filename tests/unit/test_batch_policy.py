@@ -26,35 +26,25 @@ def targets(ttft_ms: float, itl_ms: float) -> ServiceTargets:
 
 def test_policy_numbers_from_cost_and_slos() -> None:
     # A chunk alone: the most tokens with 0.05 n + 0.0001 n (n + 1) / 2 <= 50 - 10 is 524, so 512 (whole blocks).
-    # Prompts' share ceil(512 * 50 / 1000) = 26 tokens from position 256: 1.3 + 0.0001 * (26 * 256 + 351) ms;
-    # a decode reading 1,024 entries 0.05 + 1.024 ms, so floor((40 - 2.0007) / 1.074) = 35 sequences.
+    # Prompts' share ceil(512 * 50 / 1000) = 26 tokens a step; the sequences: the cap (the worker admits by time).
     assert policy_for(COST, targets(ttft_ms=1000, itl_ms=50)) == BatchPolicyNumbers(
-        max_num_batched_tokens=547, max_num_seqs=35, chunk_size=512, batch_window_ms=10, step_target_ms=50,
+        max_num_batched_tokens=512 + 256, max_num_seqs=256, chunk_size=512, batch_window_ms=10, step_target_ms=50,
         min_prefill_tokens=26)
 
 
-def test_the_capped_decodes_and_the_prompt_share_fit_the_itl_target() -> None:
-    goal = targets(ttft_ms=1000, itl_ms=50)
-    policy = policy_for(COST, goal)
-    share_ms = COST.chunk_ms(256, prompt_share(goal))
-    assert COST.fixed_ms + policy.max_num_seqs * COST.decode_ms(1024) + share_ms <= 50
-    assert COST.fixed_ms + (policy.max_num_seqs + 1) * COST.decode_ms(1024) + share_ms > 50
-    assert math.ceil(512 / policy.min_prefill_tokens) * 50 <= 1000 < math.ceil(512 / (policy.min_prefill_tokens - 1)) * 50
+def test_the_prompt_share_prefills_a_typical_prompt_within_the_ttft_target() -> None:
+    share = policy_for(COST, targets(ttft_ms=1000, itl_ms=50)).min_prefill_tokens
+    assert math.ceil(512 / share) * 50 <= 1000 < math.ceil(512 / (share - 1)) * 50
+    assert policy_for(COST, targets(ttft_ms=55, itl_ms=50)).min_prefill_tokens == 466
 
 
-def test_a_share_too_large_for_any_decode_still_admits_one() -> None:
-    goal = targets(ttft_ms=55, itl_ms=50)
-    assert prompt_share(goal) == 466
-    assert policy_for(COST, goal) == BatchPolicyNumbers(
-        max_num_batched_tokens=513, max_num_seqs=1, chunk_size=512, batch_window_ms=6, step_target_ms=50,
-        min_prefill_tokens=466)
-
-
-def test_the_scheduler_cap_bounds_the_sequences() -> None:
-    goal = ServiceTargets(ttft_ms=1000, itl_ms=50, context_tokens=1024, typical_prompt_tokens=512, max_seqs_cap=16,
-                          block_size=16)
-    assert policy_for(COST, goal).max_num_seqs == 16
-    assert policy_for(COST, goal).max_num_batched_tokens == 512 + 16
+def test_a_registering_worker_gets_the_step_target_before_its_cost_model() -> None:
+    slo = SloPolicy(ttft_ms=5000, itl_ms=200, context_tokens=1024, max_seqs_cap=64)
+    # ceil(1024 * 200 / 5000) = 41 prompt tokens a step; the batch limits stay the worker's flags
+    assert slo.before_fit(WorkerRole.COLOCATED) == slo.before_fit(WorkerRole.DECODE) == BatchPolicyNumbers(
+        max_num_batched_tokens=0, max_num_seqs=0, chunk_size=0, batch_window_ms=0, step_target_ms=200,
+        min_prefill_tokens=41)
+    assert slo.before_fit(WorkerRole.PREFILL) is None
 
 
 def test_window_is_the_ttft_slack_when_smaller_than_a_step() -> None:

@@ -91,10 +91,32 @@ def test_a_running_prompt_chunk_is_priced_from_its_position() -> None:
 
 
 def test_decodes_that_leave_no_time_still_let_the_prompts_progress_by_the_minimum() -> None:
-    batches = with_two_decodes()
+    batches = scheduler(budget=64, chunk=8)
+    for name, tokens in (("a", 3), ("b", 3), ("long", 40)):
+        batches.add(seq(name, tokens))
+    assert run(batches.schedule()) == [("a", 3), ("b", 3), ("long", 8)]
     batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=5, cost=COST)
-    batches.add(seq("long", 40))
     batches.add(seq("c", 20))
-    # 12 - 10 - 2.8 < 0: the first prompt takes the step's 5-token minimum; c finds no room and waits
+    # 12 - 10 - 2 * 1.4 < 0: the running prompt takes the step's 5-token minimum, and c is not admitted
     assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 5)]
     assert [s.request_id for s in batches.waiting] == ["c"]
+
+
+def test_a_sequence_is_admitted_while_the_decodes_leave_the_minimum_prompt_chunk() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST)
+    batches.add(seq("x", 200))
+    batches.add(seq("y", 150))
+    # x decodes from 200 entries at 21 ms: 10 + 2.8 + 21 + 4.1 (4 prompt tokens) <= 50; y's 16 ms more would not fit
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("x", 31)]
+    assert [s.request_id for s in batches.waiting] == ["y"]
+
+
+def test_before_the_worker_has_a_cost_model_prompts_take_only_the_minimum() -> None:
+    batches = scheduler(budget=64, chunk=64)
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=6, cost=None)
+    batches.add(seq("long", 40))
+    batches.add(seq("short", 3))
+    assert run(batches.schedule()) == [("long", 6)]
+    assert run(batches.schedule()) == [("long", 6)]  # the minimum is spent: short waits
+    assert [s.request_id for s in batches.waiting] == ["short"]

@@ -24,6 +24,7 @@ WORKER = scheduler_pb2.WorkerInfo(worker_id="colo-w", role=common_pb2.WORKER_ROL
                                   model="smol", num_blocks=64, block_size=16)
 POLICY = scheduler_pb2.BatchPolicy(max_num_batched_tokens=520, max_num_seqs=8, chunk_size=512, batch_window_ms=10,
                                    step_target_ms=50, min_prefill_tokens=52)
+BEFORE_FIT = scheduler_pb2.BatchPolicy(step_target_ms=50, min_prefill_tokens=52)
 
 
 async def test_heartbeats_bring_the_policy_once_the_worker_reports_a_cost_model() -> None:
@@ -53,7 +54,7 @@ async def test_heartbeats_bring_the_policy_once_the_worker_reports_a_cost_model(
         await channel.close()
         await dispatcher.close()
         await server.stop(0)
-    assert first.policy == scheduler_pb2.BatchPolicy()
+    assert first.policy == BEFORE_FIT
     assert received == [POLICY]
 
 
