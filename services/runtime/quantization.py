@@ -161,15 +161,17 @@ class SplitLinear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype,
-                device: torch.device | str = "cpu", dense_from_rows: int | None = None) -> Linear:
+                device: torch.device | str = "cpu", dense_from_rows: int | None = None,
+                groups: Int4Groups | None = None) -> Linear:
     """The layer for `weight` [out, in] in the given format, split by batch size when `dense_from_rows`
-    is set. An int4 weight whose shape the packing cannot take (rows not a multiple of 16, or columns
-    of 32) is kept in int8 instead."""
+    is set. int4 takes `groups` where given (read from a GGUF: services/runtime/gguf_weights.py), else
+    quantizes `weight`. An int4 weight whose shape the packing cannot take (rows not a multiple of 16,
+    or columns of 32) is kept in int8 instead."""
     if quantization == "none":
         return DenseLinear(weight.to(device=device, dtype=dtype), _cast(bias, dtype, device))
     check_quantization(quantization, dtype, torch.device(device))
     if quantization == "int4" and Int4Groups.fits(weight):
-        quantized: Linear = int4_linear(Int4Groups.quantize(weight), bias, dtype)
+        quantized: Linear = int4_linear(Int4Groups.quantize(weight) if groups is None else groups, bias, dtype)
     else:
         quantized = Int8Linear.quantize(weight, bias, dtype)
     if dense_from_rows is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.common import model_store
+from services.common.gguf_source import SOURCE_FILE, read_source
 from services.common.model_store import (
     DEFAULT_MODEL_NAME,
     MODEL_FILES,
@@ -38,7 +39,7 @@ def test_model_info_without_budget(default_model_dir):
 
 def test_default_model_files(default_model_dir):
     assert default_model_dir.name == DEFAULT_MODEL_NAME
-    assert sorted(p.name for p in default_model_dir.iterdir()) == sorted(MODEL_FILES)
+    assert sorted(p.name for p in default_model_dir.iterdir()) == sorted([*MODEL_FILES, SOURCE_FILE])
     config = json.loads((default_model_dir / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -57,6 +58,23 @@ def test_second_pull_is_a_no_op(default_model_dir, monkeypatch):
     assert ensure_default_model() == default_model_dir
     after = {p.name: p.stat().st_mtime_ns for p in [default_model_dir, *default_model_dir.iterdir()]}
     assert after == before
+
+
+def test_a_directory_converted_before_the_record_gets_it(default_model_dir, tmp_path, monkeypatch):
+    """The source record is written into an existing conversion without converting again."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    target = tmp_path / "models" / DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    for name in MODEL_FILES:
+        (target / name).symlink_to(default_model_dir / name)
+
+    def fail(*args):
+        raise AssertionError("the default model was converted again")
+
+    monkeypatch.setattr(model_store, "_convert_gguf", fail)
+    assert ensure_default_model() == target
+    assert read_source(target) == read_source(default_model_dir)
+    assert read_source(target).path == find_default_gguf().resolve()
 
 
 def test_tandem_home_sets_the_cache(tmp_path, monkeypatch):
