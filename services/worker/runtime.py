@@ -410,8 +410,9 @@ class WorkerRuntime:
         changes = {name: value for name, value in fields.items() if value > 0}
         if not (changes or policy.step_target_ms) or policy == self.policy:
             return
-        log.info("applying the scheduler's batch policy %s (batching window %d ms; step cost here %s)", changes,
-                 policy.batch_window_ms, self.step_cost.fit())
+        log.info("applying the scheduler's batch policy %s (batching window %d ms; step target %d ms, at least %d "
+                 "prompt tokens a step; step cost here %s)", changes, policy.batch_window_ms, policy.step_target_ms,
+                 policy.min_prefill_tokens, self.step_cost.fit())
         self.policy = scheduler_pb2.BatchPolicy()
         self.policy.CopyFrom(policy)
         self._limits = changes
