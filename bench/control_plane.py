@@ -23,6 +23,7 @@ the prefix index and the load view through it); the scheduler CPU is every repli
 
 Run: `.venv/bin/python bench/control_plane.py --workers 10,50,100 [--index-blocks 10000,1000000]
 [--stores embedded,redis] [--plot bench/results] [--json]`; takes `pip install -e .[bench]` for --plot.
+`--from-json FILE...` draws the table and the curves of runs saved with --json (points run apart).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class Result:
 
 def main() -> int:
     args = parse_args()
+    if args.from_json:
+        results = [Result(**r) for path in args.from_json for r in json.loads(path.read_text())["results"]]
+        print(table(results))
+        if args.plot:
+            plot(results, args.plot)
+        return 0
     points = [Point(w, b, s, n) for s, b, w, n in itertools.product(args.stores, args.index_blocks, args.workers,
                                                                      args.schedulers)]
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs (shared with other work: see the load averages)",
@@ -148,6 +155,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep each point's logs and span files in DIR/POINT (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
+                        help="run nothing: the table (and --plot) of the results earlier --json runs saved")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="py-spy the scheduler replicas through each point's measured run: collapsed stacks "
                              "(one per line, then its sample count) into DIR/POINT-REPLICA.txt")
