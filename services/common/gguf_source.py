@@ -22,7 +22,7 @@ SOURCE_FILE = "gguf_source.json"
 ROPE_PERMUTED_ARCHITECTURES = ("llama",)
 
 
-class GgufSourceError(RuntimeError):
+class GgufSourceError(ValueError):
     """A GGUF file or a model directory's gguf_source.json cannot be read as expected."""
 
 
@@ -115,3 +115,12 @@ def _rope_heads(reader: Any, architecture: str) -> dict[str, int]:
     heads = int(_field(reader, f"{architecture}.attention.head_count"))
     kv_field = reader.get_field(f"{architecture}.attention.head_count_kv")
     return {"attn_q": heads, "attn_k": heads if kv_field is None else int(kv_field.contents())}
+
+
+def weights_line(model_dir: Path) -> str:
+    """Where a model directory's weights come from, as `tandem up` prints it."""
+    source = read_source(model_dir)
+    if source is None:
+        return f"{model_dir} (safetensors)"
+    return (f"{model_dir} (safetensors converted from {source.path.name}; int4 takes the groups of its "
+            f"{source.count('Q4_1')} Q4_1 tensors from the file as shipped)")

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from services.common.config import parse_count
+from services.common.gguf_source import weights_line
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
 from tandem.cli.supervisor import (
@@ -167,6 +168,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"tandem up: precision {_precision(config, model_dir)}", file=sys.stderr, flush=True)
+        print(f"tandem up: weights {weights_line(model_dir)}", file=sys.stderr, flush=True)
         for device in _devices(config.device, sum(config.worker_counts().values())):
             _device_env(device)  # a GPU CUDA_VISIBLE_DEVICES hides fails here, before any service starts
     except ValueError as exc:

@@ -17,7 +17,14 @@ import torch
 from safetensors.torch import save_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from services.common.gguf_source import SOURCE_FILE, describe_gguf, read_source, write_source
+from services.common.gguf_source import (
+    SOURCE_FILE,
+    GgufSourceError,
+    describe_gguf,
+    read_source,
+    weights_line,
+    write_source,
+)
 from services.runtime.gguf_weights import GgufGroups, dequantized, q4_1_groups, rope_row_order
 from services.runtime.loader import WeightReader
 from services.runtime.quantization import Int4Groups, int4_linear, make_linear
@@ -183,3 +190,16 @@ def test_the_shipped_files_q4_1_tensors_are_the_converted_weights(default_model_
     for name, shape in checked:
         assert torch.equal(dequantized(reader.int4_groups([name], [shape])), reader.take(name, shape)), name
     assert len(checked) == reader.gguf_tensors == 21
+
+
+def test_the_weights_line_names_the_source(tiny):
+    assert weights_line(tiny) == (f"{tiny} (safetensors converted from tiny.gguf; int4 takes the groups of its "
+                                  "3 Q4_1 tensors from the file as shipped)")
+    (tiny / SOURCE_FILE).unlink()
+    assert weights_line(tiny) == f"{tiny} (safetensors)"
+
+
+def test_a_malformed_record_says_what_to_do(tiny):
+    (tiny / SOURCE_FILE).write_text('{"path": "x"}')
+    with pytest.raises(GgufSourceError, match=r"gguf_source.json: not a valid record \('tensors'\); delete it"):
+        WeightReader(tiny).int4_groups([Q_NAME], [SHAPES[Q_NAME]])
