@@ -2,9 +2,9 @@
 
 int8 keeps one symmetric scale per output row; int4 keeps a scale and a minimum per group of 32
 input weights (GGUF's Q4_1 layout). Where the native kernels are loaded (services/runtime/native,
-`quant_gemv.cpp`), both run Tandem's own matrix-vector kernels (`torch.ops.tandem.int8_gemv`,
-`int4_gemv`: AVX-512 with bf16 dot products where the CPU has them), at every batch size: they
-measured faster than torch's at 1 to 128 rows. Elsewhere they run torch's CPU kernels,
+`quant_gemv.cpp`), both run Tandem's own kernels (`torch.ops.tandem.int8_gemv`, `int4_mm`: AVX-512
+with bf16 dot products where the CPU has them), at every batch size: they measured faster than
+torch's at 1 to 128 rows, and int4_mm faster than dense bfloat16 at 8 and 32. Elsewhere they run torch's CPU kernels,
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take 16-bit activations. The native
 int4 kernel takes bfloat16 activations and its own packing of the codes, made at load time in
 place of torch's (one copy); under float16 int4 stays on torch's kernel. A `SplitLinear` keeps a
@@ -14,21 +14,21 @@ found the quantized kernel slower than the dense one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from services.common.blocks import ceil_div
 from services.runtime import native
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-INT4_ROW_MULTIPLE = 16  # the int4 packing takes output rows in tiles of 16
+INT4_ROW_MULTIPLE = 16  # both int4 packings take output rows in tiles of 16
 INT4_LEVELS = 15
 INT4_CODE_BIAS = 128  # the native int4 kernel dots x with 128 + code (see quant_gemv.cpp)
-INT4_ROW_BLOCK = 16  # the native int4 kernel's output rows per block
+INT4_ROW_BLOCK = INT4_ROW_MULTIPLE  # the native int4 kernel's output rows per block
 
 
 class Linear(Protocol):
@@ -48,8 +48,12 @@ class DenseLinear:
 
 @dataclass(frozen=True, slots=True)
 class Int8Linear:
+    """int8 weights, run by the kernel chosen when they are quantized (as `int4_linear` chooses):
+    the native `tandem.int8_gemv` where it runs, torch's `_weight_int8pack_mm` otherwise."""
+
     qweight: torch.Tensor  # int8 [out, in]
     scales: torch.Tensor  # [out], in the activation dtype: W = qweight * scales[:, None]
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     bias: torch.Tensor | None = None
 
     @classmethod
@@ -57,11 +61,12 @@ class Int8Linear:
         weight = weight.float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(qweight.contiguous(), scales.to(dtype), _cast(bias, dtype))
+        native_kernel = native.active(qweight.device)
+        kernel = torch.ops.tandem.int8_gemv if native_kernel else torch.ops.aten._weight_int8pack_mm
+        return cls(qweight.contiguous(), scales.to(dtype), kernel, _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = torch.ops.tandem.int8_gemv if native.active(x.device) else torch.ops.aten._weight_int8pack_mm
-        out = kernel(x.contiguous(), self.qweight, self.scales)
+        out = self.kernel(x.contiguous(), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
 
 
@@ -111,33 +116,33 @@ class Int4Linear:
 
 @dataclass(frozen=True, slots=True)
 class NativeInt4Linear:
-    """int4 weights in the native kernel's packing (quant_gemv.cpp), run by `tandem.int4_gemv` on
-    bfloat16 activations. The group count is padded to even with zero groups."""
+    """int4 weights in the native kernel's packing (quant_gemv.cpp), run by `tandem.int4_mm` on
+    bfloat16 activations: by block of 16 output rows, each block's group of 32 inputs as 256 bytes
+    whose 32-byte runs unpack to two [16 rows x 2 inputs] vectors (inputs 4q + e and 4q + 2 + e of
+    the group in the low and high nibbles of byte 32q + 2 * row + e)."""
 
-    codes: torch.Tensor  # uint8 [out, groups * 16]: byte j of a group = code j | code (j + 16) << 4
-    scales: torch.Tensor  # float32 [out, groups]
-    offsets: torch.Tensor  # float32 [out / 16 rounded up, groups, 16]: minimum - 128 * scale, by 16-row block
+    codes: torch.Tensor  # uint8 [out / 16, groups, 256]
+    scales: torch.Tensor  # float32 [out / 16, groups, 16]
+    offsets: torch.Tensor  # float32 [out / 16, groups, 16]: minimum - 128 * scale
     bias: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> NativeInt4Linear:
         out_features, in_features = groups.codes.shape
-        count = in_features // INT4_GROUP
-        padded = count + count % 2
-        codes = torch.zeros(out_features, padded, INT4_GROUP, dtype=torch.uint8)
-        codes[:, :count] = groups.codes.view(out_features, count, INT4_GROUP).to(torch.uint8)
-        half = INT4_GROUP // 2
-        packed = (codes[..., :half] | (codes[..., half:] << 4)).view(out_features, padded * half)
-        scales = torch.zeros(out_features, padded)
-        scales[:, :count] = groups.scale
-        blocks = ceil_div(out_features, INT4_ROW_BLOCK)
-        offsets = torch.zeros(blocks * INT4_ROW_BLOCK, padded)
-        offsets[:out_features, :count] = groups.minimum - INT4_CODE_BIAS * groups.scale
-        offsets = offsets.view(blocks, INT4_ROW_BLOCK, padded).transpose(1, 2).contiguous()
-        return cls(packed.contiguous(), scales, offsets, _cast(bias, dtype))
+        blocks, count = out_features // INT4_ROW_BLOCK, in_features // INT4_GROUP
+        # codes[block, row, group, q, half, e]: input 32 group + 4 q + 2 half + e of that row
+        codes = groups.codes.to(torch.uint8).view(blocks, INT4_ROW_BLOCK, count, INT4_GROUP // 4, 2, 2)
+        codes = codes.permute(0, 2, 3, 4, 1, 5)  # [block, group, q, half, row, e]
+        packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).reshape(blocks, count, INT4_GROUP * INT4_ROW_BLOCK // 2)
+
+        def by_block(per_group: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [blocks, groups, 16]
+            return per_group.float().view(blocks, INT4_ROW_BLOCK, count).transpose(1, 2).contiguous()
+
+        offsets = by_block(groups.minimum - INT4_CODE_BIAS * groups.scale)
+        return cls(packed.contiguous(), by_block(groups.scale), offsets, _cast(bias, dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.tandem.int4_gemv(x.contiguous(), self.codes, self.scales, self.offsets)
+        out = torch.ops.tandem.int4_mm(x.contiguous(), self.codes, self.scales, self.offsets)
         return out if self.bias is None else out + self.bias
 
 

@@ -1,4 +1,4 @@
-"""The native int4 / int8 matrix-vector kernels (services/runtime/native/quant_gemv.cpp) against
+"""The native int4 / int8 matrix kernels (services/runtime/native/quant_gemv.cpp) against
 float32 references and torch's kernels, on the model's shapes and odd ones.
 
 Tolerances: the native kernels multiply exactly and sum in float32, so against a float32 product of
@@ -19,7 +19,7 @@ from tests.unit.test_native import ops  # noqa: F401  (the session fixture that 
 
 # (out, in): fused qkv, o_proj, fused gate/up, down_proj.
 INT4_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-ROWS = [1, 2, 5, 8]
+ROWS = [1, 2, 5, 8, 13, 32]  # the int4 kernel tiles x by 8 rows: full tiles and each remainder
 BF16_HALF_ULP = 2.0**-8  # half a unit in the last place of bfloat16, relative, at the bottom of a binade
 
 
@@ -52,48 +52,50 @@ def test_int4_matches_its_dequantized_weights_and_torchs_kernel(ops, shape, rows
                                rtol=BF16_HALF_ULP, atol=3e-2)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (40, 96)])
+@pytest.mark.parametrize("shape", [(960, 576), (48, 96)])
 def test_int4_portable_path_matches_the_vector_path(ops, shape):
     layer = NativeInt4Linear.pack(int4_groups(*shape), None, torch.bfloat16)
-    x = activations(6, shape[1])
-    vector = ops.int4_gemv(x, layer.codes, layer.scales, layer.offsets)
-    portable = ops.int4_gemv_portable(x, layer.codes, layer.scales, layer.offsets)
+    x = activations(11, shape[1])
+    vector = ops.int4_mm(x, layer.codes, layer.scales, layer.offsets)
+    portable = ops.int4_mm_portable(x, layer.codes, layer.scales, layer.offsets)
     # Each rounds its own float32 sum to bf16: the two may land one unit apart.
     torch.testing.assert_close(portable.float(), vector.float(), rtol=2 * BF16_HALF_ULP, atol=1e-4)
 
 
-def test_int4_odd_group_count_rows_off_the_block_and_a_bias(ops):
-    groups = int4_groups(40, 96)  # 3 groups (padded to 4), 40 rows (16 + 16 + 8)
-    bias = torch.arange(40.0) / 8
+def test_int4_odd_group_count_and_a_bias(ops):
+    groups = int4_groups(48, 96)  # 3 groups, 3 blocks of 16 rows
+    bias = torch.arange(48.0) / 8
     layer = NativeInt4Linear.pack(groups, bias, torch.bfloat16)
-    assert layer.codes.shape == (40, 64) and layer.scales.shape == (40, 4) and layer.offsets.shape == (3, 4, 16)
-    assert layer.scales[:, 3].abs().sum() == 0 and layer.offsets[:, 3].abs().sum() == 0
-    assert layer.offsets[2, :, 8:].abs().sum() == 0  # rows 40..47 of the last block do not exist
+    assert layer.codes.shape == (3, 3, 256) and layer.scales.shape == (3, 3, 16) and layer.offsets.shape == (3, 3, 16)
+    assert layer.scales[1, 2].tolist() == groups.scale[16:32, 2].tolist()
     x = activations(3, 96)
     want = x.float() @ dequantized(groups).T
     torch.testing.assert_close(layer(x).float(), (want.bfloat16() + bias.bfloat16()).float(),
                                rtol=2 * BF16_HALF_ULP, atol=1e-2)
 
 
-def test_int4_packs_two_codes_a_byte_low_half_first(ops):
-    codes = torch.arange(32.0).remainder(16).repeat(16, 2)  # 16 rows, 64 columns: codes 0..15, 0..15, ...
-    groups = Int4Groups(codes, torch.ones(16, 2), torch.zeros(16, 2))
-    layer = NativeInt4Linear.pack(groups, None, torch.bfloat16)
-    assert layer.codes[0, :16].tolist() == [j | (j << 4) for j in range(16)]
-    assert layer.offsets[0, :, 0].tolist() == [-128.0, -128.0]
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    x[0, 17] = 1.0  # picks code 1 of group 0's second half
-    assert layer(x)[0].tolist() == [1.0] * 16
+def test_int4_packs_row_pairs_of_inputs_low_half_first(ops):
+    # Row r's code at input k is (r + k) % 16, one group of 32 inputs.
+    codes = (torch.arange(16.0)[:, None] + torch.arange(32.0)[None, :]).remainder(16)
+    layer = NativeInt4Linear.pack(Int4Groups(codes, torch.ones(16, 1), torch.zeros(16, 1)), None, torch.bfloat16)
+    packed = layer.codes[0, 0]
+    for q, row, e in [(0, 0, 0), (0, 3, 1), (5, 15, 0), (7, 9, 1)]:
+        low, high = (row + 4 * q + e) % 16, (row + 4 * q + 2 + e) % 16
+        assert packed[32 * q + 2 * row + e].item() == low | (high << 4)
+    assert layer.offsets[0, 0].tolist() == [-128.0] * 16
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, 17] = 1.0  # picks each row's code at input 17: (row + 17) % 16
+    assert layer(x)[0].tolist() == [float((r + 17) % 16) for r in range(16)]
 
 
 def test_int4_refuses_what_it_cannot_run(ops):
     layer = NativeInt4Linear.pack(int4_groups(16, 64), None, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"int4_gemv: x must be bfloat16, got Half"):
-        ops.int4_gemv(activations(1, 64, torch.float16), layer.codes, layer.scales, layer.offsets)
-    with pytest.raises(RuntimeError, match=r"int4_gemv: x has 96 columns; these codes take 64 \(a multiple of 32"):
-        ops.int4_gemv(activations(1, 96), layer.codes, layer.scales, layer.offsets)
-    with pytest.raises(RuntimeError, match=r"int4_gemv: offsets must be float32 \[1, 2, 16\], got Float\[2, 16\]"):
-        ops.int4_gemv(activations(1, 64), layer.codes, layer.scales, layer.offsets[0])
+    with pytest.raises(RuntimeError, match=r"int4_mm: x must be bfloat16, got Half"):
+        ops.int4_mm(activations(1, 64, torch.float16), layer.codes, layer.scales, layer.offsets)
+    with pytest.raises(RuntimeError, match=r"int4_mm: x has 96 columns; these codes take 64"):
+        ops.int4_mm(activations(1, 96), layer.codes, layer.scales, layer.offsets)
+    with pytest.raises(RuntimeError, match=r"int4_mm: offsets must be float32 \[1, 2, 16\], got Float\[2, 16\]"):
+        ops.int4_mm(activations(1, 64), layer.codes, layer.scales, layer.offsets[0])
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,20 @@ def test_int8_refuses_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match=r"int8_gemv: x \[rows, in_features\] and qweight \[out_features, "
                                            r"in_features\] must agree, got \[1, 64\] and \[8, 32\]"):
         ops.int8_gemv(torch.zeros(1, 64), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8))
+
+
+def test_int8_chooses_its_kernel_when_quantized(ops, monkeypatch):
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    x = activations(2, 64)
+    native_layer = Int8Linear.quantize(weight, None, torch.bfloat16)
+    assert native_layer.kernel == torch.ops.tandem.int8_gemv
+    monkeypatch.setattr(native, "active", lambda device: False)
+    torch_layer = Int8Linear.quantize(weight, None, torch.bfloat16)
+    assert torch_layer.kernel == torch.ops.aten._weight_int8pack_mm
+    monkeypatch.undo()  # the choice stays with each layer, whatever native.active says later
+    torch.testing.assert_close(torch_layer(x), torch.ops.aten._weight_int8pack_mm(x, torch_layer.qweight,
+                                                                                   torch_layer.scales))
+    torch.testing.assert_close(native_layer(x), ops.int8_gemv(x, native_layer.qweight, native_layer.scales))
 
 
 def test_layers_run_the_native_kernels_where_loaded(ops):
