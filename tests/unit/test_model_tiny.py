@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.model_config import ModelConfig
 from services.runtime import native
 from services.runtime.attention import TorchAttention
 from services.runtime.batch_scheduler import ScheduledChunk
@@ -76,3 +77,15 @@ def test_logits_match_transformers(kind, path, tmp_path):
     got = torch.stack(logits[:-1])
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_layer_views_write_through_to_the_cache(tmp_path):
+    make_tiny("llama", tmp_path)
+    cache = PagedKVCache(ModelConfig.from_model_dir(tmp_path), num_blocks=3, block_size=4)
+    cache.initialize([0, 1, 2])
+    k_layer, v_layer = cache.layer(1)
+    assert cache.layer(1)[0] is k_layer  # the same views every step
+    k_layer[2, 3] = 1.5
+    v_layer[0, 1] = -2.0
+    assert cache.k[1, 2, 3].eq(1.5).all() and cache.v[1, 0, 1].eq(-2.0).all()
+    assert cache.k[0].abs().sum() == 0 and cache.v[0].abs().sum() == 0  # layer 0 untouched
