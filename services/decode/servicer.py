@@ -3,7 +3,9 @@ admission of each request into the running batch at the next iteration once its 
 
 A request's life here: Reserve (the runtime's KV hand-off allocates its blocks) -> Push (each
 chunk written into them as it arrives, its bytes in the message or, from a sender on this host, in
-the sender's shared-memory segment the header names) -> admitted at the next iteration boundary ->
+the sender's shared-memory segment the header names; such a sender streams layers while its
+prefill still computes later ones, and its last message brings the first token) -> admitted at the
+next iteration boundary ->
 one token per iteration on the request's token stream (the gateway reads it) -> blocks freed when it finishes. Release, Abort and the
 reservation's TTL free the blocks at any point. The blocks and their state are the hand-off's
 (services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's
@@ -18,7 +20,7 @@ import logging
 import mmap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -59,8 +61,10 @@ class Waiting:
 
 @dataclass(slots=True)
 class Received:
-    """Progress of one Push."""
+    """Progress of one Push, and its header once complete."""
 
+    header: kv_transfer_pb2.KvRequestHeader
+    started: float = field(default_factory=time.monotonic)  # when the first token arrived
     chunks: int = 0
     bytes: int = 0
     blocks: int = 0
@@ -151,7 +155,6 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     # -- KV transfer ------------------------------------------------------------------------
 
     async def Push(self, request_iterator, context) -> kv_transfer_pb2.PushAck:
-        started = time.monotonic()
         first = await anext(aiter(request_iterator), None)
         if first is None:
             raise InvalidRequest("chunks", "the stream carried no KvChunk")
@@ -169,10 +172,10 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 if not reservation.cancelled:
                     asyncio.ensure_future(self._abort([rid]))
                 raise
-            seconds = time.monotonic() - started
+            seconds = time.monotonic() - received.started
             span.set_attributes(kv_transfer_attributes(received.blocks, received.bytes, received.chunks, seconds))
             span.set_attribute(Attr.KV_REUSED_BLOCKS, reservation.reused_blocks)
-            admitted = not reservation.cancelled and await self._admit(reservation, first.header, params, seconds)
+            admitted = not reservation.cancelled and await self._admit(reservation, received.header, params, seconds)
         return kv_transfer_pb2.PushAck(request_id=rid, chunks=received.chunks, bytes=received.bytes,
                                        blocks=received.blocks, duration_ms=seconds * 1000, admitted=admitted)
 
@@ -188,8 +191,8 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         if not first.HasField("header"):
             raise InvalidRequest("header", "the first KvChunk of a stream must carry the request header")
         header = first.header
-        if not header.prompt_token_ids or not header.output_token_ids:
-            raise InvalidRequest("header", "needs the prompt token ids and the first output token id")
+        if not header.prompt_token_ids:
+            raise InvalidRequest("header", "needs the prompt token ids")
         reserved_for = self.runtime.holding(rid).name
         if self.runtime.catalogue_name(header.model) != reserved_for:
             raise FailedPrecondition(f"request {rid!r}: the KV was computed by model {header.model!r}, the reservation "
@@ -225,14 +228,25 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             yield mapping
 
     async def _import_all(self, reservation: Reservation, first, rest, segment: mmap.mmap | None) -> Received:
-        received = Received()
+        """Imports every chunk of the stream. The header is the first message's, completed by the last
+        message's when the first lacks the first token (a sender that streamed layers while its
+        prefill computed); `started` is when the first token arrived."""
+        received = Received(header=first.header)
         self._import(reservation, first, received, segment)
         async for message in rest:
             if reservation.cancelled:
                 break
+            if message.HasField("header") and not received.header.output_token_ids:
+                received.header = _completed(first.header, message.header)
+                received.started = time.monotonic()
             self._import(reservation, message, received, segment)
-        expected = first.header.num_chunks
-        if not reservation.cancelled and expected and received.chunks != expected:
+        if reservation.cancelled:
+            return received
+        if not received.header.output_token_ids:
+            raise InvalidRequest("header", "needs the first output token id, in the first chunk's header or, "
+                                           "when that has none, in the last chunk's")
+        expected = received.header.num_chunks
+        if expected and received.chunks != expected:
             raise InvalidRequest("num_chunks", f"the stream carried {received.chunks} chunks, the header "
                                                f"announced {expected}; the transfer was cut short")
         return received
@@ -248,10 +262,11 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                                                f"{reservation.request_id!r}; one stream carries one request")
         with contextlib.ExitStack() as views:
             try:
-                data = message.data if segment is None else views.enter_context(
-                    segment_view(segment, message.shm_offset, chunk_bytes(message.dtype, message.shape)))
+                num_layers = message.num_layers or 1
+                data = message.data if segment is None else views.enter_context(segment_view(
+                    segment, message.shm_offset, chunk_bytes(message.dtype, message.shape, num_layers)))
                 chunk = KvChunk(message.layer, message.first_block, message.num_blocks, message.dtype,
-                                tuple(message.shape), data)
+                                tuple(message.shape), data, num_layers)
                 self.runtime.holding(reservation.request_id).handoff.import_chunk(reservation, chunk)
             except ValueError as exc:
                 raise InvalidRequest("chunk", str(exc)) from exc
@@ -286,6 +301,18 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             log.info("request %s not admitted: %s", rid, exc)
             return False
         return True
+
+
+def _completed(first: kv_transfer_pb2.KvRequestHeader,
+               last: kv_transfer_pb2.KvRequestHeader) -> kv_transfer_pb2.KvRequestHeader:
+    """The first message's header with what the last one adds: the first token and what came with it."""
+    header = kv_transfer_pb2.KvRequestHeader()
+    header.CopyFrom(first)
+    header.output_token_ids[:] = last.output_token_ids
+    header.num_chunks = last.num_chunks
+    header.cached_tokens = last.cached_tokens
+    header.timings.CopyFrom(last.timings)
+    return header
 
 
 def _segment_id(segment: kv_transfer_pb2.ShmSegment) -> SegmentId:

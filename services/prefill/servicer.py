@@ -8,7 +8,11 @@ prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it i
 
 The chunks' bytes travel in the Push messages, or, to a decode worker that can read this worker's
 shared-memory segments (probed once per address: the same host), in a segment of this worker's
-pool, the messages saying only where (services/runtime/kv_shm.py).
+pool, the messages saying only where (services/runtime/kv_shm.py). That path is layer-pipelined:
+the push opens while the prompt's last chunk computes, the forward pass gathers each layer into
+the segment as soon as it is computed, and each message tells the decode worker which layers are
+in, so it imports layer l while later layers still compute; the last message carries the first
+token (the header's rest), and what is left to move after the first token is the last layers.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from services.common.grpc_server import remaining_timeout
 from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
 from services.runtime.engine import RequestOutput
+from services.runtime.kv_handoff import LayerStream
 from services.runtime.kv_shm import Segment, SegmentId, SegmentPool, probe_segment
-from services.runtime.kv_transfer import KvChunk
+from services.runtime.kv_transfer import DTYPE_NAMES, KvChunk
 from services.worker.events import TrackedRequest, finish_reason_to_proto, is_final, ms_between
 from services.worker.runtime import WorkerRuntime
 from services.worker.served_model import ServedModel
@@ -109,18 +114,25 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         try:
             # Once its engine holds the request, the model stays resident until the request leaves it.
             async with runtime.serving(request.model) as served:
+                segment = await self._segment_for(request, served)
+                feed = _LayerFeed(asyncio.get_running_loop()) if segment is not None else None
                 try:
-                    await served.loop.call(lambda engine: engine.add_request(
-                        rid, ids, params, request.cache_salt, stop_after_prefill=True, seed=request.seed,
-                        lora=request.lora))
-                except ValueError as exc:
-                    raise engine_rejection(exc) from exc
-            output = await runtime.first_output(rid)
+                    await served.loop.call(lambda engine: self._add(engine, served, request, params, segment, feed))
+                except BaseException as exc:
+                    if segment is not None and feed is not None:  # the engine may hold the stream: stop it first
+                        asyncio.ensure_future(self._end_stream(served, rid, segment, feed, reuse=False))
+                    if isinstance(exc, ValueError):
+                        raise engine_rejection(exc) from exc
+                    raise
+            if segment is None:
+                output = await runtime.first_output(rid)
+                if _ships(output) and not runtime.was_aborted(rid):
+                    await self._ship(request, job, output, context, served)
+            else:
+                output = await self._ship_streamed(request, job, context, served, segment, feed)
             # None: aborted before its first token; a final reason: the first token ended it.
-            if output is not None and not is_final(output.finish_reason) and not runtime.was_aborted(rid):
-                await self._ship(request, job, output, context, served)
-                if not runtime.was_aborted(rid):  # else the abort freed the blocks
-                    await served.loop.call(lambda engine: served.handoff.release_export(rid))
+            if _ships(output) and not runtime.was_aborted(rid):  # else the abort freed the blocks
+                await served.loop.call(lambda engine: served.handoff.release_export(rid))
             done = True
         finally:
             aborted = runtime.was_aborted(rid)
@@ -151,63 +163,130 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 "prefill and decode workers must use the same block size"
             )
 
-    async def _ship(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel) -> None:
-        """Pushes the request's KV to the decode worker; returns once it acknowledged the transfer. A
-        segment of the pool carries the bytes to a decode worker that reads our memory; it goes back
-        to the pool once acknowledged, and is closed after anything else (the receiver may read on)."""
+    def _add(self, engine, served: ServedModel, request: worker_pb2.PrefillRequest, params,
+             segment: Segment | None, feed: _LayerFeed | None) -> None:
+        """Queues the request in the engine (engine thread); with a segment, its KV is gathered into it
+        layer by layer as the forward pass of its last prompt chunk computes it."""
         rid = request.request_id
-        segment = await self._segment_for(request, served)
-        ack = None
-        try:
-            with contextlib.ExitStack() as stack:
-                into = stack.enter_context(memoryview(segment.buffer)) if segment is not None else None
-                ack = await self._push(request, job, output, context, served, segment, into)
-        except TandemError as exc:
-            if segment is not None and _refused_shared_memory(exc):  # it cannot read our segments after all
-                self._shares_memory[request.decode_address] = False  # gRPC from now on
-            raise
-        finally:
-            if segment is not None:
-                self._segments.release(segment, reuse=ack is not None)
-        if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
-            raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
-                              "transfer (its reservation was aborted or expired)")
+        engine.add_request(rid, list(request.token_ids), params, request.cache_salt, stop_after_prefill=True,
+                           seed=request.seed, lora=request.lora)
+        if segment is not None and feed is not None:
+            served.handoff.stream_layers(rid, LayerStream(request.decode_reused_blocks, feed.into(segment),
+                                                          feed.on_layers))
 
-    async def _push(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel,
-                    segment: Segment | None, into: memoryview | None) -> kv_transfer_pb2.PushAck | None:
-        """Exports the KV (into `into`, the segment's memory, when given) and pushes it; the ack, or
-        None when the request was aborted first."""
+    async def _ship(self, request, job: PrefillJob, output: RequestOutput, context, served: ServedModel) -> None:
+        """Pushes the request's KV over gRPC, its bytes in the messages; returns once the decode worker
+        acknowledged the transfer."""
         rid = request.request_id
         max_bytes = request.max_chunk_bytes or self.kv_chunk_bytes
         try:
             export = await served.loop.call(
-                lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks, into))
+                lambda engine: served.handoff.export(rid, max_bytes, request.decode_reused_blocks))
         except ValueError as exc:  # max_chunk_bytes below one block of one layer
             raise InvalidRequest("max_chunk_bytes", str(exc)) from exc
         header = self._header(request, job, output, export.num_chunks)
         header.model = served.name
-        if segment is not None:
-            header.shm_segment.CopyFrom(_segment_pb(segment.id))
-        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
-        started = time.monotonic()
-        attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: export.skipped_blocks,
-                      Attr.KV_TRANSPORT: "shm" if segment else "grpc"}
-        with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
-            job.transfer.blocks = export.num_blocks
-            job.push = stub.Push(self._messages(rid, header, export.chunks, job.transfer, segment is not None),
-                                 timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
-                                 metadata=(*inject_metadata(), *self._channels.metadata))
+        job.transfer.blocks = export.num_blocks
+        with self._send_span(request, export.skipped_blocks, "grpc", job):
+            job.push = self._stub(request).Push(self._messages(rid, header, export.chunks, job.transfer),
+                                                timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
+                                                metadata=(*inject_metadata(), *self._channels.metadata))
             try:
                 ack = await self._await_push(rid, job.push, request.decode_address)
             finally:
                 _close_quietly(export.chunks)
+        self._check_admitted(request, ack)
+
+    async def _ship_streamed(self, request, job: PrefillJob, context, served: ServedModel, segment: Segment,
+                             feed: _LayerFeed) -> RequestOutput | None:
+        """Pushes the request's KV through `segment` as the engine gathers it, layer by layer: the push
+        opens once the first layer is in, and its last message waits for the first token. Returns
+        the first output (None: aborted before it); once acknowledged the segment goes back to the
+        pool, after anything else it is closed (the receiver may read on)."""
+        rid = request.request_id
+        runtime = self.runtime
+        cache = served.engine.cache
+        shipped = served.engine.blocks_for_tokens(len(request.token_ids)) - request.decode_reused_blocks
+        layout = _Layout(cache.num_layers, request.decode_reused_blocks, shipped,
+                         DTYPE_NAMES[cache.dtype], (2, shipped, *cache.block_shape), shipped * cache.layer_block_bytes)
+        first = asyncio.ensure_future(runtime.first_output(rid))
+        started = asyncio.ensure_future(feed.beyond(0))
+        ack = None
+        try:
+            await asyncio.wait((first, started), return_when=asyncio.FIRST_COMPLETED)
+            if started.done():  # the last prompt chunk is computing: open the push
+                header = self._partial_header(request, served.name, segment)
+                job.push = self._stub(request).Push(
+                    self._streamed_messages(rid, header, layout, feed, first, job),
+                    timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
+                    metadata=(*inject_metadata(), *self._channels.metadata))
+            output = await first
+            if not _ships(output) or runtime.was_aborted(rid):
+                job.transfer.Clear()  # the layers sent go with the cancelled push: nothing was shipped
+                return output
+            if feed.ready < layout.num_layers:  # the engine thread posts every layer before the token
+                raise RuntimeError(f"request {rid}: the first token came with {feed.ready} of "
+                                   f"{layout.num_layers} KV layers gathered")
+            job.transfer.blocks = await served.loop.call(
+                lambda engine: served.handoff.hold_streamed(rid, request.decode_reused_blocks))
+            assert job.push is not None
+            with self._send_span(request, request.decode_reused_blocks, "shm", job):
+                ack = await self._await_push(rid, job.push, request.decode_address)
+            self._check_admitted(request, ack)
+            return output
+        except TandemError as exc:
+            self._note_failed_push(request.decode_address, exc)
+            raise
+        finally:
+            started.cancel()
+            if not first.done():
+                first.cancel()
+            if ack is None and job.push is not None:
+                job.push.cancel()
+            await self._end_stream(served, rid, segment, feed, reuse=ack is not None)
+
+    async def _end_stream(self, served: ServedModel, rid: str, segment: Segment, feed: _LayerFeed,
+                          reuse: bool) -> None:
+        """Stops the engine gathering the request's layers, then gives its segment back (`reuse`: the
+        receiver acknowledged it) or closes it."""
+        try:
+            await served.loop.call(lambda engine: served.handoff.stop_stream(rid))
+        except RuntimeError:  # the engine loop stopped: it gathers nothing more
+            pass
+        finally:
+            feed.close()
+            self._segments.release(segment, reuse=reuse)
+
+    def _note_failed_push(self, address: str, error: TandemError) -> None:
+        """A push through shared memory failed: when for want of reading our segments, the decode
+        worker at `address` gets gRPC from now on."""
+        if _refused_shared_memory(error):
+            self._shares_memory[address] = False
+
+    def _check_admitted(self, request, ack: kv_transfer_pb2.PushAck | None) -> None:
+        rid = request.request_id
+        if ack is not None and not ack.admitted and not self.runtime.was_aborted(rid):
+            raise Unavailable(f"decode worker {request.decode_address} dropped request {rid} during its KV "
+                              "transfer (its reservation was aborted or expired)")
+
+    def _stub(self, request) -> kv_transfer_pb2_grpc.KvTransferServiceStub:
+        return kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
+
+    @contextlib.contextmanager
+    def _send_span(self, request, reused_blocks: int, transport: str, job: PrefillJob) -> Iterator[None]:
+        """The transfer's span and timing, from here to the ack: after the first token, what the
+        hand-off adds before the decode worker may start."""
+        started = time.monotonic()
+        attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: reused_blocks,
+                      Attr.KV_TRANSPORT: transport}
+        with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
+            yield
             seconds = time.monotonic() - started
             job.transfer.duration_ms = seconds * 1000
             span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
                                                        job.transfer.chunks, seconds))
         if self.runtime.metrics is not None:
             self.runtime.metrics.kv_transfer_time.observe(seconds)
-        return ack
 
     async def _segment_for(self, request: worker_pb2.PrefillRequest, served: ServedModel) -> Segment | None:
         """A segment of the pool big enough for the KV to ship, when the decode worker reads our
@@ -267,37 +346,65 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
 
     @staticmethod
     def _header(request, job: PrefillJob, output: RequestOutput, num_chunks: int) -> kv_transfer_pb2.KvRequestHeader:
-        return kv_transfer_pb2.KvRequestHeader(
-            prompt_token_ids=request.token_ids,
-            output_token_ids=output.new_token_ids,
-            sampling=request.sampling,
-            seed=request.seed,
-            cache_salt=request.cache_salt,
-            lora=request.lora,
-            num_chunks=num_chunks,
-            cached_tokens=output.num_cached_tokens,
-            timings=job.tracked.timings,
-        )
+        header = PrefillServicer._partial_header(request, "", None)
+        header.MergeFrom(PrefillServicer._final_header(job, output, num_chunks))
+        return header
+
+    @staticmethod
+    def _partial_header(request, model: str, segment: Segment | None) -> kv_transfer_pb2.KvRequestHeader:
+        """What the header holds before the first token is sampled."""
+        header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=request.token_ids, sampling=request.sampling,
+                                                 seed=request.seed, cache_salt=request.cache_salt,
+                                                 lora=request.lora, model=model)
+        if segment is not None:
+            header.shm_segment.CopyFrom(_segment_pb(segment.id))
+        return header
+
+    @staticmethod
+    def _final_header(job: PrefillJob, output: RequestOutput, num_chunks: int) -> kv_transfer_pb2.KvRequestHeader:
+        """What the header learns with the first token."""
+        return kv_transfer_pb2.KvRequestHeader(output_token_ids=output.new_token_ids, num_chunks=num_chunks,
+                                               cached_tokens=output.num_cached_tokens, timings=job.tracked.timings)
 
     @staticmethod
     async def _messages(rid: str, header: kv_transfer_pb2.KvRequestHeader, chunks: Iterator[KvChunk],
-                        stats: worker_pb2.KvTransferStats, shared: bool) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
-        """The chunks as wire messages, the header on the first; exported off the event loop. With
-        `shared` the chunks lie back to back in the header's segment: the messages carry their offsets."""
+                        stats: worker_pb2.KvTransferStats) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+        """The chunks as wire messages, their bytes in them, the header on the first; exported off the event loop."""
         while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             message = kv_transfer_pb2.KvChunk(
                 request_id=rid, layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
-                dtype=chunk.dtype, shape=chunk.shape,
+                dtype=chunk.dtype, shape=chunk.shape, num_layers=chunk.num_layers, data=chunk.data,
             )
-            if shared:
-                message.shm_offset = stats.bytes
-            else:
-                message.data = chunk.data
             if stats.chunks == 0:
                 message.header.CopyFrom(header)
             stats.chunks += 1
             stats.bytes += len(chunk.data)
-            del chunk  # no view of a shared segment outlives its chunk
+            yield message
+
+    @staticmethod
+    async def _streamed_messages(rid: str, header: kv_transfer_pb2.KvRequestHeader, layout: _Layout,
+                                 feed: _LayerFeed, first: asyncio.Future[RequestOutput | None],
+                                 job: PrefillJob) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+        """One message per run of layers gathered into the segment since the last, with where it lies
+        (the layout of export_kv's one chunk of every layer); the partial header on the first, the
+        rest of it on the last, which waits for the first token."""
+        stats, sent = job.transfer, 0
+        while sent < layout.num_layers:
+            ready = await feed.beyond(sent)
+            message = kv_transfer_pb2.KvChunk(
+                request_id=rid, layer=sent, num_layers=ready - sent, first_block=layout.first_block,
+                num_blocks=layout.num_blocks, dtype=layout.dtype, shape=layout.shape,
+                shm_offset=sent * layout.layer_bytes)
+            if stats.chunks == 0:
+                message.header.CopyFrom(header)
+            if ready == layout.num_layers:
+                output = await first
+                if output is None or not _ships(output):
+                    await asyncio.get_running_loop().create_future()  # _ship_streamed cancels the push
+                message.header.MergeFrom(PrefillServicer._final_header(job, output, stats.chunks + 1))
+            stats.chunks += 1
+            stats.bytes += (ready - sent) * layout.layer_bytes
+            sent = ready
             yield message
 
     def _response(self, request, job: PrefillJob, output: RequestOutput | None,
@@ -334,6 +441,63 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             await self.runtime.abort([rid])
         except RuntimeError:  # the engine loop stopped: nothing left to free
             pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a streamed request's KV lies in its segment: `num_layers` layers back to back, each
+    `layer_bytes` of `shape` (`num_blocks` blocks from the request's block `first_block`)."""
+
+    num_layers: int
+    first_block: int
+    num_blocks: int
+    dtype: str
+    shape: tuple[int, ...]
+    layer_bytes: int
+
+
+class _LayerFeed:
+    """The layers the engine thread has gathered into a request's segment, as the event loop sees
+    them, and the one view of the segment the engine writes through."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.ready = 0
+        self._loop = loop
+        self._changed = asyncio.Event()
+        self._view: memoryview | None = None
+
+    def into(self, segment: Segment) -> memoryview:
+        self._view = memoryview(segment.buffer)
+        return self._view
+
+    def on_layers(self, count: int) -> None:
+        """The first `count` layers are in (engine thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._set, count)
+        except RuntimeError:  # the asyncio loop is closed: the process is exiting
+            pass
+
+    def _set(self, count: int) -> None:
+        self.ready = max(self.ready, count)
+        self._changed.set()
+
+    async def beyond(self, count: int) -> int:
+        """Layers in, once more than `count` are."""
+        while self.ready <= count:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.ready
+
+    def close(self) -> None:
+        """Releases the view (after the engine thread stopped writing through it)."""
+        if self._view is not None:
+            self._view.release()
+
+
+def _ships(output: RequestOutput | None) -> bool:
+    """Whether a request's KV crosses after this first output: not when it was aborted before (None)
+    or the first token ended it."""
+    return output is not None and not is_final(output.finish_reason)
 
 
 def _close_quietly(chunks: Iterator[KvChunk]) -> None:

@@ -9,6 +9,12 @@ from the prefix cache when it holds them -> `import_chunk` writes each chunk int
 `admit` starts decoding the request at the next step. `cancel` then `free` drop a reservation or an
 export at any point. A prefill side told that the receiver reused `n` blocks exports only the rest.
 
+Layer-pipelined, into a buffer shared with the receiver: `stream_layers` before the request's last
+prompt chunk runs -> the forward pass gathers each layer's KV into the buffer as soon as that layer
+is computed, and says so (`on_layers`), so the sender ships layer `l` while later layers still
+compute -> `hold_streamed` takes the prefilled request with its blocks, as `export` does, with no
+copy left to make -> `release_export`. `stop_stream` ends the gathering at any point.
+
 Threads. Only the engine thread touches the engine: `reserve`, `admit`, `free`, `export` and
 `release_export` allocate or free blocks or change the batch, so they run there. Chunk bytes are
 the one exception, and it lives here: `import_chunk` and an export's chunks touch only blocks this
@@ -21,13 +27,13 @@ blocks go back to the engine only later, in `free`. A lock guards the bookkeepin
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from services.common.blocks import ceil_div
 from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.engine import Engine
-from services.runtime.kv_transfer import KvChunk, blocks_per_chunk, export_kv, import_kv
+from services.runtime.batch_scheduler import ScheduledChunk
+from services.runtime.kv_transfer import KvChunk, blocks_per_chunk, export_kv, gather_layer, import_kv, num_export_chunks
 from services.runtime.sampler import SamplingParams
 from services.runtime.sequence import Sequence
 
@@ -57,6 +63,17 @@ class KvExport:
     skipped_blocks: int = 0
 
 
+@dataclass(slots=True)
+class LayerStream:
+    """Where a prefilling request's KV goes layer by layer: blocks from `skip_blocks` on, into `into`
+    laid out as export_kv's one chunk of every layer; `on_layers(n)` (engine thread) once the first
+    `n` layers are in."""
+
+    skip_blocks: int
+    into: memoryview
+    on_layers: Callable[[int], None]
+
+
 @dataclass(frozen=True, slots=True)
 class PromptKey:
     """What finds a prompt's blocks in the prefix cache: its tokens, the tenant's salt, the adapter."""
@@ -72,6 +89,7 @@ class KvHandoff:
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
         self._exports: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, blocks shipped)
+        self._streams: dict[str, LayerStream] = {}  # engine thread only
 
     # -- the prefill side (engine thread) ---------------------------------------------------
 
@@ -83,18 +101,53 @@ class KvHandoff:
         when one block of one layer is larger (nothing changes) or `skip_blocks` leaves no block
         (the request is held as an export: `free` returns its blocks)."""
         cache = self.engine.cache
-        per_chunk = blocks_per_chunk(cache, max_chunk_bytes)
+        blocks_per_chunk(cache, max_chunk_bytes)  # ValueError for too small a bound, before anything changes
+        block_ids = self._hold(request_id, skip_blocks)
+        shipped = len(block_ids) - skip_blocks
+        return KvExport(request_id, shipped, num_export_chunks(cache, shipped, max_chunk_bytes, into is not None),
+                        export_kv(cache, block_ids, max_chunk_bytes, skip_blocks, into), skip_blocks)
+
+    def stream_layers(self, request_id: str, stream: LayerStream) -> None:
+        """Gathers the request's KV into `stream.into` layer by layer during the forward pass of its
+        last prompt chunk (engine thread; call it before that chunk runs)."""
+        if not self._streams:
+            self.engine.runner.after_layer = self._layer_done
+        self._streams[request_id] = stream
+
+    def stop_stream(self, request_id: str) -> None:
+        """No layer of the request is gathered after this (engine thread)."""
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self.engine.runner.after_layer = None
+
+    def hold_streamed(self, request_id: str, skip_blocks: int) -> int:
+        """Takes a prefilled request whose KV was streamed (`stream_layers`) with its blocks, as
+        `export` does; the number of blocks shipped. ValueError as `export`'s."""
+        self.stop_stream(request_id)
+        return len(self._hold(request_id, skip_blocks)) - skip_blocks
+
+    def _hold(self, request_id: str, skip_blocks: int) -> list[int]:
+        """Takes the prefilled request out of the engine, holding its blocks as an export; their ids."""
         seq = self.engine.take_prefilled(request_id)
         num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens)
-        shipped = num_blocks - skip_blocks
         with self._lock:  # held from here on, so `free` returns the blocks whatever happens next
-            self._exports[request_id] = (seq, max(shipped, 0))
+            self._exports[request_id] = (seq, max(num_blocks - skip_blocks, 0))
         if not 0 <= skip_blocks < num_blocks:
             raise ValueError(f"cannot skip {skip_blocks} of the request's {num_blocks} KV blocks; "
                              f"the receiver may hold at most {num_blocks - 1} of them")
-        block_ids = seq.block_table[:num_blocks]
-        return KvExport(request_id, shipped, cache.num_layers * ceil_div(shipped, per_chunk),
-                        export_kv(cache, block_ids, max_chunk_bytes, skip_blocks, into), skip_blocks)
+        return seq.block_table[:num_blocks]
+
+    def _layer_done(self, chunks: list[ScheduledChunk], layer: int) -> None:
+        """The forward pass computed `layer` of `chunks`: the streamed requests whose prompt it
+        completes gather that layer (engine thread)."""
+        for chunk in chunks:
+            stream = self._streams.get(chunk.seq.request_id) if chunk.completes else None
+            if stream is None:
+                continue
+            seq = chunk.seq
+            num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens + chunk.num_new_tokens)
+            gather_layer(self.engine.cache, seq.block_table[stream.skip_blocks : num_blocks], layer, stream.into)
+            stream.on_layers(layer + 1)
 
     def release_export(self, request_id: str) -> None:
         """Frees the shipped request's blocks; its full blocks stay in the prefix cache."""

@@ -14,6 +14,7 @@ The operations between the projections (norms, residual adds, RoPE with the KV w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,10 +118,11 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: PagedKVCache,
-                lora: LoraBatch | None = None) -> torch.Tensor:
+                lora: LoraBatch | None = None, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Runs the batch, writing its K/V into `cache`; returns logits `[len(logits_indices), vocab]`.
-        `lora` adds each row's adapter update to its projections. Each layer's residual add is left
-        to the next norm (`ops.norm(hidden, delta, ...)` adds, then normalizes), one call either way."""
+        `lora` adds each row's adapter update to its projections; `after_layer(i)` runs once layer
+        `i`'s K/V is in `cache`. Each layer's residual add is left to the next norm
+        (`ops.norm(hidden, delta, ...)` adds, then normalizes), one call either way."""
         hidden = F.embedding(input_ids, self.embed)  # a new tensor, so the residual adds may run in place
         ops = self.ops(self.cos, self.sin, meta)
         eps = self.config.rms_norm_eps
@@ -130,6 +132,8 @@ class CausalLM:
             project = _Projections(layer, index, lora)
             attended = self._attention(ops.norm(hidden, delta, layer.input_norm, eps), project, layer, ops,
                                        k_cache, v_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
             delta = project("down", ops.silu_mul(project("gate_up", ops.norm(hidden, attended, layer.post_norm, eps))))
         hidden += delta
         sampled = ops.norm(hidden[meta.logits_indices], None, self.final_norm, eps)

@@ -6,6 +6,9 @@ batch; prompt chunks follow in order.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from services.common.blocks import ceil_div
@@ -25,11 +28,15 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.loras = loras
+        # Called with a step's chunks and each layer index once that layer's KV is in the cache (the
+        # KV hand-off ships layer l while later layers compute: services/runtime/kv_handoff.py).
+        self.after_layer: Callable[[list[ScheduledChunk], int], None] | None = None
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """`chunks` must already be in `order_for_batch` order; returns logits of the completing chunks."""
         input_ids, meta = self._prepare(chunks)
-        return self.model.forward(input_ids, meta, self.cache, self._lora_batch(chunks))
+        after_layer = functools.partial(self.after_layer, chunks) if self.after_layer is not None else None
+        return self.model.forward(input_ids, meta, self.cache, self._lora_batch(chunks), after_layer)
 
     def _lora_batch(self, chunks: list[ScheduledChunk]) -> LoraBatch | None:
         """Each chunk's rows under its sequence's adapter (the rows' order is the chunks')."""

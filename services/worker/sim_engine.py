@@ -11,6 +11,7 @@ computes at `prefill_tokens_per_s`. Every running request gets one token per ite
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,12 +85,15 @@ class _Shapes:
     device: torch.device = torch.device("cpu")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SleepingRunner:
     timing: SimTiming
+    after_layer: Callable[[list[ScheduledChunk], int], None] | None = None  # as ModelRunner's, for its one layer
 
     def run(self, chunks: list[ScheduledChunk]) -> None:
         time.sleep(self.timing.step_s(chunks))
+        if self.after_layer is not None:
+            self.after_layer(chunks, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ class KvRequestHeader(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., shm_segment: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "header", "layer", "first_block", "num_blocks", "dtype", "shape", "data", "shm_offset")
+    __slots__ = ("request_id", "header", "layer", "first_block", "num_blocks", "dtype", "shape", "data", "shm_offset", "num_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class KvChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     header: KvRequestHeader
     layer: int
@@ -81,7 +82,8 @@ class KvChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     shm_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., header: _Optional[_Union[KvRequestHeader, _Mapping]] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, request_id: _Optional[str] = ..., header: _Optional[_Union[KvRequestHeader, _Mapping]] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("request_id", "chunks", "bytes", "blocks", "duration_ms", "admitted")

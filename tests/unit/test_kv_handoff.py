@@ -9,7 +9,7 @@ import pytest
 from services.common.model_config import ModelConfig
 from services.runtime.block_manager import NoFreeBlocksError
 from services.runtime.engine import EngineConfig
-from services.runtime.kv_handoff import KvHandoff, PromptKey
+from services.runtime.kv_handoff import KvHandoff, LayerStream, PromptKey
 from services.runtime.kv_transfer import KvChunk
 from services.runtime.sampler import SamplingParams
 from services.worker.sim_engine import SimEngine, SimTiming, sim_token
@@ -124,3 +124,72 @@ def test_skipping_every_block_is_refused_and_the_blocks_still_come_back() -> Non
     with pytest.raises(ValueError, match="cannot skip 3 of the request's 3 KV blocks; the receiver may hold at most 2"):
         handoff.export("r", 1 << 20, skip_blocks=3)
     assert handoff.free("r") and prefill.blocks.num_referenced_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from tests.unit.test_model_tiny import make_tiny
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny("llama", directory)
+    return directory
+
+
+def tiny_engine(model_dir):
+    from services.runtime.attention import TorchAttention
+    from services.runtime.engine import Engine
+    from services.runtime.model import CausalLM
+
+    config = EngineConfig(block_size=4, num_kv_blocks=32, chunk_size=8, max_num_batched_tokens=8)
+    return Engine(CausalLM.from_model_dir(model_dir, TorchAttention()), config)
+
+
+def prefill_to_first_token(prefill, prompt: list[int]) -> list[int]:
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0), stop_after_prefill=True)
+    return [t for _ in range(10) for out in prefill.step() for t in out.new_token_ids]
+
+
+def test_layers_streamed_during_the_last_prompt_chunk_are_the_bytes_an_export_gathers(tiny_model_dir) -> None:
+    from tests.unit.test_model_tiny import PROMPT
+
+    prompt = PROMPT[:18]  # 5 blocks of 4, prefilled in chunks of 8: the last chunk completes it
+    exporting, streaming = tiny_engine(tiny_model_dir), tiny_engine(tiny_model_dir)
+    layers = exporting.cache.num_layers
+    exported = memoryview(bytearray(3 * exporting.cache.block_bytes))
+    first = prefill_to_first_token(exporting, prompt)
+    (chunk,) = KvHandoff(exporting).export("r", 1 << 20, skip_blocks=2, into=exported).chunks
+    assert (chunk.layer, chunk.num_layers, chunk.first_block, chunk.num_blocks) == (0, layers, 2, 3)
+
+    handoff, streamed, seen = KvHandoff(streaming), memoryview(bytearray(len(exported))), []
+    streaming.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0), stop_after_prefill=True)
+    handoff.stream_layers("r", LayerStream(2, streamed, seen.append))
+    steps = []
+    while not (outputs := streaming.step()):
+        steps.append(list(seen))
+    assert steps == [[], []]  # the chunks before the last gather nothing
+    assert seen == list(range(1, layers + 1)) and [t for out in outputs for t in out.new_token_ids] == first
+    assert streaming.runner.after_layer is not None
+    assert handoff.hold_streamed("r", skip_blocks=2) == 3
+    assert streaming.runner.after_layer is None  # no stream left: the forward pass calls nothing
+    assert bytes(streamed) == bytes(exported)
+    handoff.release_export("r")
+    assert streaming.blocks.num_referenced_blocks == 0
+
+
+def test_a_stream_stopped_midway_gathers_no_later_layer(tiny_model_dir) -> None:
+    from tests.unit.test_model_tiny import PROMPT
+
+    engine_, seen = tiny_engine(tiny_model_dir), []
+    handoff = KvHandoff(engine_)
+    streamed = memoryview(bytearray(b"\xff" * (2 * engine_.cache.block_bytes)))
+
+    def stop_after_the_first(count: int) -> None:
+        seen.append(count)
+        handoff.stop_stream("r")  # as an abort does, on the engine thread, between two layers
+
+    engine_.add_request("r", PROMPT[:8], SamplingParams(max_tokens=4, temperature=0.0), stop_after_prefill=True)
+    handoff.stream_layers("r", LayerStream(0, streamed, stop_after_the_first))
+    assert engine_.step()
+    layer_bytes = 2 * engine_.cache.layer_block_bytes
+    assert seen == [1] and bytes(streamed[layer_bytes:]) == b"\xff" * (len(streamed) - layer_bytes)
+    assert engine_.runner.after_layer is None

@@ -104,14 +104,14 @@ def test_kv_through_a_segment_lands_bit_exact_like_kv_in_the_messages():
     pool = SegmentPool()
     segment = pool.acquire(4 * source.block_bytes)
     with memoryview(segment.buffer) as into:
-        layout = [(c.layer, c.first_block, c.num_blocks, c.dtype, c.shape) for c in
+        layout = [(c.layer, c.first_block, c.num_blocks, c.dtype, c.shape, c.num_layers) for c in
                   export_kv(source, sent, max_chunk_bytes=2 * source.layer_block_bytes, start=1, into=into)]
     offset = 0
     with open_segment(segment.id) as mapping:  # as the decode worker maps it: read-only, by /proc/PID/fd
-        for layer, first, count, dtype, shape in layout:
-            size = chunk_bytes(dtype, shape)
+        for layer, first, count, dtype, shape, num_layers in layout:
+            size = chunk_bytes(dtype, shape, num_layers)
             with segment_view(mapping, offset, size) as data:
-                import_kv(over_shm, reserved, KvChunk(layer, first, count, dtype, shape, data))
+                import_kv(over_shm, reserved, KvChunk(layer, first, count, dtype, shape, data, num_layers))
             offset += size
         with pytest.raises(ValueError, match=rf"KV chunk of 16 bytes at shm_offset {len(mapping) - 8} runs past"):
             with segment_view(mapping, len(mapping) - 8, 16):

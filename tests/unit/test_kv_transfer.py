@@ -69,24 +69,38 @@ def test_blocks_are_zeroed_when_first_handed_out_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_export_into_a_buffer_writes_the_same_chunks_back_to_back(dtype):
+def test_export_into_a_buffer_writes_one_chunk_of_every_layer_back_to_back(dtype):
     source = PagedKVCache(CONFIG, num_blocks=10, block_size=4, dtype=dtype)
     source.k.copy_(torch.randn_like(source.k))
     source.v.copy_(torch.randn_like(source.v))
     block_ids = [7, 1, 4, 2]
     buffer = memoryview(bytearray(3 * source.block_bytes + 5))
-    plain = list(export_kv(source, block_ids, max_chunk_bytes=2 * source.layer_block_bytes, start=1))
+    per_layer = list(export_kv(source, block_ids, max_chunk_bytes=3 * source.layer_block_bytes, start=1))
     placed = list(export_kv(source, block_ids, max_chunk_bytes=2 * source.layer_block_bytes, start=1, into=buffer))
-    assert [(c.layer, c.first_block, c.num_blocks, c.dtype, c.shape) for c in placed] == [
-        (c.layer, c.first_block, c.num_blocks, c.dtype, c.shape) for c in plain]
-    assert [c.first_block for c in placed] == [1, 3] * 3
-    assert all(bytes(p.data) == c.data for p, c in zip(placed, plain))
-    assert bytes(buffer[: 3 * source.block_bytes]) == b"".join(c.data for c in plain)
+    dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
+    assert [(c.layer, c.num_layers, c.first_block, c.num_blocks, c.dtype, c.shape) for c in placed] == [
+        (0, 3, 1, 3, dtype_name, (2, 3, 4, 2, 4))]
+    assert [(c.layer, c.num_layers) for c in per_layer] == [(0, 1), (1, 1), (2, 1)]
+    assert bytes(placed[0].data) == bytes(buffer[: 3 * source.block_bytes]) == b"".join(c.data for c in per_layer)
     target = PagedKVCache(CONFIG, num_blocks=10, block_size=4, dtype=dtype)
-    for chunk in placed:
-        import_kv(target, [0, 5, 6, 8], chunk)
+    target.initialize([0, 5, 6, 8])
+    import_kv(target, [0, 5, 6, 8], placed[0])
     for src, dst in zip([1, 4, 2], [5, 6, 8]):
         assert torch.equal(target.k[:, dst], source.k[:, src]) and torch.equal(target.v[:, dst], source.v[:, src])
+    assert not target.k[:, 0].any() and not target.v[:, 0].any()  # the receiver's own block: not written
+
+
+@pytest.mark.parametrize("num_layers, message", [
+    (0, "KV chunk covers 0 layers from layer 1; this cache has 3"),
+    (3, "KV chunk covers 3 layers from layer 1; this cache has 3"),
+])
+def test_a_chunk_past_the_last_layer_is_refused(num_layers, message):
+    (chunk,) = export_kv(filled_cache(), [0, 1], max_chunk_bytes=1 << 20, into=memoryview(bytearray(1 << 12)))
+    target = PagedKVCache(CONFIG, num_blocks=10, block_size=4)
+    target.initialize([3, 4])
+    with pytest.raises(ValueError, match=message):
+        import_kv(target, [3, 4], dataclasses.replace(chunk, layer=1, num_layers=num_layers))
+    assert not target.k[:, [3, 4]].any() and not target.v[:, [3, 4]].any()
 
 
 def test_a_bfloat16_cache_ships_bfloat16_bytes_with_no_up_conversion():

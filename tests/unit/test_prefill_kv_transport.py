@@ -13,7 +13,6 @@ import pytest
 from services.common.errors import FailedPrecondition, TandemError, Unavailable, error_from_status
 from services.prefill.servicer import PrefillServicer
 from services.worker.transport import ChannelPool
-from tandem.v1 import worker_pb2
 
 DECODE = "127.0.0.1:50061"
 UNREADABLE = ("decode worker d-0 cannot read the KV of request 'r1' from shared memory: cannot open the sender's "
@@ -28,21 +27,9 @@ UNREADABLE = ("decode worker d-0 cannot read the KV of request 'r1' from shared 
     (Unavailable(f"cannot reach decode worker {DECODE} to ship the KV: Socket closed"), True),
 ], ids=["refused", "refusal-reported-as-internal", "another-model", "unreachable"])
 async def test_a_shared_memory_push_the_decode_worker_could_not_read_turns_it_to_grpc(
-        monkeypatch, error: TandemError, shared_after: bool) -> None:
+        error: TandemError, shared_after: bool) -> None:
     servicer = PrefillServicer(asyncio.get_running_loop().create_future(), kv_chunk_bytes=1 << 20,
                                channels=ChannelPool())
     servicer._shares_memory[DECODE] = True  # probed: the decode worker reads our segments
-
-    async def segment_for(request, served):
-        return servicer._segments.acquire(4096)
-
-    async def refused(*args):
-        raise error
-
-    monkeypatch.setattr(servicer, "_segment_for", segment_for)
-    monkeypatch.setattr(servicer, "_push", refused)
-    request = worker_pb2.PrefillRequest(request_id="r1", token_ids=[1, 2, 3], decode_address=DECODE)
-    with pytest.raises(TandemError) as raised:
-        await servicer._ship(request, job=None, output=None, context=None, served=None)
-    assert raised.value is error  # the request fails as it did; later ones take the transport left
+    servicer._note_failed_push(DECODE, error)  # as _ship_streamed does before the request fails with it
     assert await servicer._reads_our_memory(DECODE) is shared_after
