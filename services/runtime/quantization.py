@@ -2,14 +2,15 @@
 
 int8 keeps one symmetric scale per output row; int4 keeps a scale and a minimum per group of 32
 input weights (GGUF's Q4_1 layout). Where the native kernels are loaded (services/runtime/native,
-`quant_gemv.cpp`), both run Tandem's own kernels (`torch.ops.tandem.int8_gemv`, `int4_mm`: AVX-512
-with bf16 dot products where the CPU has them), at every batch size: they measured faster than
-torch's at 1 to 128 rows, and int4_mm faster than dense bfloat16 at 8 and 32. Elsewhere they run torch's CPU kernels,
-`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take 16-bit activations. The native
-int4 kernel takes bfloat16 activations and its own packing of the codes, made at load time in
-place of torch's (one copy); under float16 int4 stays on torch's kernel. A `SplitLinear` keeps a
-dense copy too and runs it from a batch size on, where the probe (services/runtime/precision.py)
-found the quantized kernel slower than the dense one.
+`quant_gemv.cpp`), both run Tandem's own kernels: under bfloat16 activations the matrix kernels
+`torch.ops.tandem.int4_mm` and `int8_mm` (AVX-512 bf16 dot products where the CPU has them), on
+their own packings of the codes made at load time (one copy); they measured faster than torch's
+weight-only kernels at every size and than dense bfloat16 from 1 to 32 rows. int8 under float16
+or float32 activations runs `int8_gemv`. Elsewhere they run torch's CPU kernels,
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, which take 16-bit activations; under
+float16 int4 stays on torch's kernel. Each layer picks its kernel once, when it is built. A
+`SplitLinear` keeps a dense copy too and runs it from a batch size on, where the probe
+(services/runtime/precision.py) found the quantized kernel slower than the dense one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ INT4_GROUP = 32
 INT4_ROW_MULTIPLE = 16  # both int4 packings take output rows in tiles of 16
 INT4_LEVELS = 15
 INT4_CODE_BIAS = 128  # the native int4 kernel dots x with 128 + code (see quant_gemv.cpp)
-INT4_ROW_BLOCK = INT4_ROW_MULTIPLE  # the native int4 kernel's output rows per block
+INT4_ROW_BLOCK = INT4_ROW_MULTIPLE  # the native int4 and int8 matrix kernels' output rows per block
 
 
 class Linear(Protocol):
@@ -68,6 +69,43 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.kernel(x.contiguous(), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class NativeInt8Linear:
+    """int8 weights in the native matrix kernel's packing (quant_gemv.cpp), run by `tandem.int8_mm` on
+    bfloat16 activations: by block of 16 output rows, each input pair p of a block as 32 bytes (row
+    r's codes at inputs 2p and 2p + 1 in bytes 2r and 2r + 1). Computes what `Int8Linear` does."""
+
+    codes: torch.Tensor  # int8 [out / 16, in / 2, 32]
+    scales: torch.Tensor  # float32 [out / 16, 16]: Int8Linear's bfloat16 scales, widened
+    bias: torch.Tensor | None = None
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        out_features, in_features = weight.shape
+        return out_features % INT4_ROW_BLOCK == 0 and in_features % 2 == 0
+
+    @classmethod
+    def pack(cls, layer: Int8Linear) -> NativeInt8Linear:
+        out_features, in_features = layer.qweight.shape
+        blocks, pairs = out_features // INT4_ROW_BLOCK, in_features // 2
+        codes = layer.qweight.view(blocks, INT4_ROW_BLOCK, pairs, 2).permute(0, 2, 1, 3)
+        scales = layer.scales.float().view(blocks, INT4_ROW_BLOCK)
+        return cls(codes.reshape(blocks, pairs, 2 * INT4_ROW_BLOCK).contiguous(), scales.contiguous(), layer.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.tandem.int8_mm(x.contiguous(), self.codes, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """The int8 layer for `weight`: the native matrix kernel's packing where it runs (loaded, bfloat16
+    activations, rows a multiple of 16, an even column count), `Int8Linear` otherwise."""
+    layer = Int8Linear.quantize(weight, bias, dtype)
+    if dtype == torch.bfloat16 and native.active(layer.qweight.device) and NativeInt8Linear.fits(weight):
+        return NativeInt8Linear.pack(layer)
+    return layer
 
 
 @dataclass(frozen=True, slots=True)

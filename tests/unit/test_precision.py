@@ -10,7 +10,7 @@ from services.runtime import native, precision_probe
 from services.runtime.precision import FLOAT32, Choice, Precision, choose, hybrids, resolve
 from services.runtime.precision_probe import ProbeSetup, run_probe
 from services.runtime.quantization import (DenseLinear, Int4Groups, Int4Linear, Int8Linear, NativeInt4Linear,
-                                             SplitLinear, int4_linear, make_linear)
+                                             NativeInt8Linear, SplitLinear, int4_linear, make_linear)
 
 BF16, FP16 = Precision(torch.bfloat16), Precision(torch.float16)
 BF16_INT4, BF16_INT8 = Precision(torch.bfloat16, "int4"), Precision(torch.bfloat16, "int8")
@@ -52,8 +52,8 @@ def test_int4_groups_of_32_run_as_their_dequantized_weights():
 def test_make_linear_formats():
     w = weight()
     assert isinstance(make_linear(w, None, "none", torch.bfloat16), DenseLinear)
-    assert isinstance(make_linear(w, None, "int8", torch.bfloat16), Int8Linear)
-    int4 = NativeInt4Linear if native.loaded() else Int4Linear
+    int8, int4 = (NativeInt8Linear, NativeInt4Linear) if native.loaded() else (Int8Linear, Int4Linear)
+    assert isinstance(make_linear(w, None, "int8", torch.bfloat16), int8)
     assert isinstance(make_linear(w, None, "int4", torch.bfloat16), int4)
     assert isinstance(make_linear(weight(40, 64), None, "int4", torch.bfloat16), Int8Linear)  # 40 rows: no int4 tile
     split = make_linear(w, None, "int4", torch.bfloat16, dense_from_rows=8)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.runtime import native
-from services.runtime.quantization import Int4Groups, Int4Linear, Int8Linear, NativeInt4Linear, int4_linear
+from services.runtime.quantization import (Int4Groups, Int4Linear, Int8Linear, NativeInt4Linear, NativeInt8Linear,
+                                             int4_linear, int8_linear)
 from tests.unit.test_native import ops  # noqa: F401  (the session fixture that builds the extension)
 
 # (out, in): fused qkv, o_proj, fused gate/up, down_proj.
@@ -130,6 +131,49 @@ def test_int8_refuses_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match=r"int8_gemv: x \[rows, in_features\] and qweight \[out_features, "
                                            r"in_features\] must agree, got \[1, 64\] and \[8, 32\]"):
         ops.int8_gemv(torch.zeros(1, 64), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 32])
+def test_int8_matrix_kernel_matches_int8linear_on_the_lm_head(ops, lm_head, rows):
+    reference = Int8Linear.quantize(lm_head, None, torch.bfloat16)
+    layer = NativeInt8Linear.pack(reference)
+    x = activations(rows, 576)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 49152)
+    want = x.float() @ (reference.qweight.float() * reference.scales.float()[:, None]).T
+    torch.testing.assert_close(got.float(), want, rtol=BF16_HALF_ULP, atol=1e-3)
+
+
+def test_int8_matrix_kernel_packing_portable_path_and_an_odd_pair_count(ops):
+    weight = torch.randn(32, 38, generator=torch.Generator().manual_seed(5))  # 19 input pairs
+    reference = Int8Linear.quantize(weight, torch.arange(32.0), torch.bfloat16)
+    layer = NativeInt8Linear.pack(reference)
+    assert layer.codes.shape == (2, 19, 32) and layer.scales.shape == (2, 16)
+    assert layer.codes[1, 4, 2 * 3 + 1] == reference.qweight[16 + 3, 2 * 4 + 1]  # block 1, pair 4, row 3, input 1
+    x = activations(5, 38)
+    vector = ops.int8_mm(x, layer.codes, layer.scales)
+    portable = ops.int8_mm_portable(x, layer.codes, layer.scales)
+    want = x.float() @ (reference.qweight.float() * reference.scales.float()[:, None]).T
+    torch.testing.assert_close(vector.float(), want, rtol=BF16_HALF_ULP, atol=1e-3)
+    torch.testing.assert_close(portable.float(), vector.float(), rtol=2 * BF16_HALF_ULP, atol=1e-3)
+    torch.testing.assert_close(layer(x), reference(x), rtol=2 * BF16_HALF_ULP, atol=1e-2)
+
+
+def test_int8_matrix_kernel_refuses_what_it_cannot_run(ops):
+    layer = NativeInt8Linear.pack(Int8Linear.quantize(torch.randn(16, 64), None, torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"int8_mm: x must be bfloat16 \[rows, in_features\], got Float\[1, 64\]"):
+        ops.int8_mm(torch.zeros(1, 64), layer.codes, layer.scales)
+    with pytest.raises(RuntimeError, match=r"int8_mm: x has 96 columns; these codes take 64"):
+        ops.int8_mm(activations(1, 96), layer.codes, layer.scales)
+    with pytest.raises(RuntimeError, match=r"int8_mm: scales must be float32 \[1, 16\], got Float\[16\]"):
+        ops.int8_mm(activations(1, 64), layer.codes, layer.scales[0])
+
+
+def test_int8_linear_packs_for_the_matrix_kernel_where_it_runs(ops):
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
+    assert isinstance(int8_linear(weight, None, torch.bfloat16), NativeInt8Linear)
+    assert isinstance(int8_linear(weight, None, torch.float16), Int8Linear)  # int8_mm takes bf16 only
+    assert isinstance(int8_linear(weight[:24], None, torch.bfloat16), Int8Linear)  # 24 rows: no 16-row block
 
 
 def test_int8_chooses_its_kernel_when_quantized(ops, monkeypatch):

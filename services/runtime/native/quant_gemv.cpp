@@ -265,6 +265,134 @@ void int8_rows_avx512(const int8_t* w, const T* scales, const float* x, const In
 }
 #endif
 
+// ---- int8 for bfloat16 activations, packed by 16-row block: a matrix kernel like int4_mm's ----
+//
+// codes int8 [out / 16, in / 2, 32]: for input pair p, byte 2r + e holds row r's code at input
+// 2p + e, so 32 bytes widen to one vdpbf16ps operand (int8 codes are exact in bfloat16); scales
+// float32 [out / 16, 16]. A tile of up to 8 rows of x shares each converted weight vector.
+
+struct Int8BlockArgs {
+  const int8_t* codes;
+  const float* scales;
+  const at::BFloat16* x;
+  int64_t rows_x, in_features, blocks;
+  at::BFloat16* y;
+};
+
+void int8_block_portable(const Int8BlockArgs& a, int64_t b) {
+  const int64_t pairs = a.in_features / 2, out_features = a.blocks * kRowBlock;
+  for (int64_t m = 0; m < a.rows_x; ++m) {
+    const at::BFloat16* xm = a.x + m * a.in_features;
+    float dot[kRowBlock] = {};
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t j = 0; j < 2 * kRowBlock; ++j)
+        dot[j / 2] += static_cast<float>(a.codes[(b * pairs + p) * 2 * kRowBlock + j]) * static_cast<float>(xm[2 * p + j % 2]);
+    for (int64_t r = 0; r < kRowBlock; ++r)
+      a.y[m * out_features + b * kRowBlock + r] = static_cast<at::BFloat16>(dot[r] * a.scales[b * kRowBlock + r]);
+  }
+}
+
+#ifdef TANDEM_QUANT_AVX512
+// One input pair's 32 codes (16 rows x 2 inputs) as bfloat16: exact, as |code| <= 127.
+inline __m512bh int8_pair_weights(const int8_t* w) {
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  const __m512 high =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kRowBlock))));
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+
+// Block b's 16 outputs for x rows [m0, m0 + Tile); a tile of fewer than 4 rows alternates two
+// accumulators per row so the dot products' chains overlap.
+template <int Tile>
+void int8_block_mm_tile(const Int8BlockArgs& a, int64_t b, int64_t m0) {
+  constexpr int kChains = Tile < 4 ? 2 : 1;
+  const int64_t pairs = a.in_features / 2;
+  const int8_t* codes = a.codes + b * pairs * 2 * kRowBlock;
+  __m512 dot[kChains][Tile];
+  for (int c = 0; c < kChains; ++c)
+    for (int t = 0; t < Tile; ++t) dot[c][t] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + kChains <= pairs; p += kChains)
+    for (int c = 0; c < kChains; ++c) {
+      const int8_t* w = codes + (p + c) * 2 * kRowBlock;
+      const __m512bh weights = int8_pair_weights(w);
+      for (int t = 0; t < Tile; ++t) {
+        const int32_t pair = *reinterpret_cast<const int32_t*>(a.x + (m0 + t) * a.in_features + 2 * (p + c));
+        dot[c][t] = _mm512_dpbf16_ps(dot[c][t], weights, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  for (; p < pairs; ++p) {  // an odd pair count's last pair
+    const int8_t* w = codes + p * 2 * kRowBlock;
+    const __m512bh weights = int8_pair_weights(w);
+    for (int t = 0; t < Tile; ++t) {
+      const int32_t pair = *reinterpret_cast<const int32_t*>(a.x + (m0 + t) * a.in_features + 2 * p);
+      dot[0][t] = _mm512_dpbf16_ps(dot[0][t], weights, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(a.scales + b * kRowBlock);
+  const int64_t out_features = a.blocks * kRowBlock;
+  for (int t = 0; t < Tile; ++t) {
+    __m512 sum = dot[0][t];
+    for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, dot[c][t]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * out_features + b * kRowBlock),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum, scale)));
+  }
+}
+
+void int8_block_avx512(const Int8BlockArgs& a, int64_t b) {
+  int64_t m = 0;
+  for (; m + 8 <= a.rows_x; m += 8) int8_block_mm_tile<8>(a, b, m);
+  switch (a.rows_x - m) {
+    case 7: int8_block_mm_tile<7>(a, b, m); break;
+    case 6: int8_block_mm_tile<6>(a, b, m); break;
+    case 5: int8_block_mm_tile<5>(a, b, m); break;
+    case 4: int8_block_mm_tile<4>(a, b, m); break;
+    case 3: int8_block_mm_tile<3>(a, b, m); break;
+    case 2: int8_block_mm_tile<2>(a, b, m); break;
+    case 1: int8_block_mm_tile<1>(a, b, m); break;
+    default: break;
+  }
+}
+#endif
+
+using Int8Block = void (*)(const Int8BlockArgs&, int64_t);
+
+at::Tensor int8_mm_with(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, Int8Block block) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(codes, "codes");
+  check_cpu_contiguous(scales, "scales");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_mm: x must be bfloat16 [rows, in_features], got ",
+              x.scalar_type(), x.sizes());
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == 2 * kRowBlock,
+              "int8_mm: codes must be int8 [out_features / 16, in_features / 2, 32], got ", codes.scalar_type(),
+              codes.sizes());
+  const int64_t blocks = codes.size(0);
+  TORCH_CHECK(x.size(1) == 2 * codes.size(1), "int8_mm: x has ", x.size(1), " columns; these codes take ",
+              2 * codes.size(1));
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.sizes() == at::IntArrayRef({blocks, kRowBlock}),
+              "int8_mm: scales must be float32 [", blocks, ", ", kRowBlock, "], got ", scales.scalar_type(),
+              scales.sizes());
+  at::Tensor y = at::empty({x.size(0), blocks * kRowBlock}, x.options());
+  const Int8BlockArgs a{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), x.data_ptr<at::BFloat16>(), x.size(0),
+                        x.size(1), blocks, y.data_ptr<at::BFloat16>()};
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) block(a, b);
+  });
+  return y;
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+#ifdef TANDEM_QUANT_AVX512
+  return int8_mm_with(x, codes, scales, int8_block_avx512);
+#else
+  return int8_mm_with(x, codes, scales, int8_block_portable);
+#endif
+}
+
+at::Tensor int8_mm_portable(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  return int8_mm_with(x, codes, scales, int8_block_portable);
+}
+
 at::Tensor int8_gemv_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, bool portable) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qweight, "qweight");
@@ -307,6 +435,8 @@ at::Tensor int8_gemv_portable(const at::Tensor& x, const at::Tensor& qweight, co
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor", int4_mm);
   m.def("int4_mm_portable(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor", int4_mm_portable);
+  m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor", int8_mm);
+  m.def("int8_mm_portable(Tensor x, Tensor codes, Tensor scales) -> Tensor", int8_mm_portable);
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor", int8_gemv);
   m.def("int8_gemv_portable(Tensor x, Tensor qweight, Tensor scales) -> Tensor", int8_gemv_portable);
 }
