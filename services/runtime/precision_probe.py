@@ -6,9 +6,10 @@ the matrices of a few layers (enough weight to spill the caches, as the real mod
 times, interleaved with the others so a busy neighbour slows all alike, and keeps its best time.
 A candidate slower than float32 by more than RUNS_WELL leaves the race (later sizes None): it can
 no longer win (precision.choose), and bf16 on a CPU without bf16 hardware would take minutes. The
-cache key is the CPU model and flags, the torch version, whether the native kernels run, the thread
-count and the shapes, under $TANDEM_HOME/probes; one process probes at a time (file lock), so the
-workers of one machine share one result.
+cache key is the CPU model and flags, the torch version, which native build runs (none, or its
+build key, the hash of its sources: a kernel change probes again), the thread count and the
+shapes, under $TANDEM_HOME/probes; one process probes at a time (file lock), so the workers of one
+machine share one result.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ProbeSetup:
 
     def key(self) -> dict[str, object]:
         return {"cpu": _cpu_identity(), "torch": torch.__version__, **asdict(self),
-                "candidates": [c.name for c in CANDIDATES], "native_kernels": native.loaded()}
+                "candidates": [c.name for c in CANDIDATES], "native_kernels": native.build_dir().name if native.loaded() else None}
 
 
 # A probe taken while other work loads the CPU more than this (load average per core) times that

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -176,3 +178,16 @@ def test_a_probe_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(model_c
     assert resolve("auto", "none", "cpu", model_config, 512, tmp_path).reason.startswith("auto: probed, cached in ")
     assert resolve("auto", "none", "cpu", model_config, 512, tmp_path).reason.startswith("auto: cached probe ")
     assert probes == [2.0, 0.1]
+
+
+def test_the_probe_cache_key_names_the_native_build(model_config, monkeypatch):
+    """A kernel change makes a new build key, so the probe times the new kernels instead of reusing
+    times taken on the old ones."""
+    setup = ProbeSetup.for_model(model_config, (1,), 1)
+    monkeypatch.setattr(native, "loaded", lambda: True)
+    monkeypatch.setattr(native, "build_dir", lambda: Path("/home/native/aaaa"))
+    assert setup.key()["native_kernels"] == "aaaa"
+    monkeypatch.setattr(native, "build_dir", lambda: Path("/home/native/bbbb"))
+    assert setup.key()["native_kernels"] == "bbbb"
+    monkeypatch.setattr(native, "loaded", lambda: False)
+    assert setup.key()["native_kernels"] is None
