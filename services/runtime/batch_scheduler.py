@@ -55,6 +55,13 @@ class StepTarget:
     min_prefill_tokens: int
     cost: StepCost | None
 
+    @classmethod
+    def of(cls, step_ms: float, min_prefill_tokens: int, fit: StepCost | None) -> StepTarget:
+        """The target with the worker's fit, or with none when the fit prices no prompt token (noise on a
+        loaded machine fitted 0 ms a token and 0 a KV entry: such a fit would size chunks without bound)."""
+        usable = fit is not None and (fit.per_token_ms > 0 or fit.per_context_token_ms > 0)
+        return cls(step_ms, min_prefill_tokens, fit if usable else None)
+
 
 @dataclass(slots=True)
 class PromptTime:

@@ -349,7 +349,7 @@ class WorkerRuntime:
         """The policy's step target with this worker's latest cost fit (None: no target)."""
         if self.policy.step_target_ms <= 0:
             return None
-        return StepTarget(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost.fit())
+        return StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost.fit())
 
     def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing) to every scheduler, with the

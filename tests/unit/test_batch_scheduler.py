@@ -120,3 +120,10 @@ def test_before_the_worker_has_a_cost_model_prompts_take_only_the_minimum() -> N
     assert run(batches.schedule()) == [("long", 6)]
     assert run(batches.schedule()) == [("long", 6)]  # the minimum is spent: short waits
     assert [s.request_id for s in batches.waiting] == ["short"]
+
+
+def test_a_fit_that_prices_no_prompt_token_gives_the_minimum_instead_of_unbounded_chunks() -> None:
+    noise = StepCost(fixed_ms=88.7, per_token_ms=0.0, per_context_token_ms=0.0, per_decode_context_ms=0.26)
+    assert StepTarget.of(200.0, 41, noise) == StepTarget(200.0, 41, None)
+    assert StepTarget.of(200.0, 41, None) == StepTarget(200.0, 41, None)
+    assert StepTarget.of(200.0, 41, COST) == StepTarget(200.0, 41, COST)
