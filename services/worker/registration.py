@@ -164,9 +164,9 @@ class Registration:
         except grpc.aio.AioRpcError:
             self._close_stream()
             raise
-        except asyncio.InvalidStateError:  # the stream had ended OK under an earlier heartbeat
+        except asyncio.InvalidStateError:  # a write on a stream that had already ended (its scheduler went away)
             self._close_stream()
-            raise _failed(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the heartbeat stream") from None
+            raise _failed(grpc.StatusCode.UNAVAILABLE, "the heartbeat stream had ended") from None
         if response is grpc.aio.EOF:
             self._close_stream()
             raise _failed(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the heartbeat stream")
