@@ -1,11 +1,13 @@
 """Runtime benchmark: the Tandem engine against HF transformers `generate` in fp32, same model, same run.
 
 Measures decode latency at batch 1, decode throughput at batch 32, prefill throughput of one
-512-token prompt, one decode step's time at batch 1 and 8 (100-token prompts; `--steps-only` measures
+512-token prompt, one decode step's time at batch 1, 8 and 32 (100-token prompts; `--steps-only` measures
 just that, without HF), and peak resident memory, for each precision of `--variants` (`auto` is what
 the start-up probe picks on this machine; services/runtime/precision.py); prints a table (or
 `--json`) with each variant's ratio to HF fp32. `--llama-bench PATH` adds llama.cpp's own
 `llama-bench` figures for the GGUF the default model ships as (or `--gguf FILE`).
+`--clock cpu` times by the process's CPU time instead of the wall clock (with `--threads 1`, a
+figure that holds while other work loads the machine).
 Run: `.venv/bin/python bench/runtime.py [--model DIR] [--threads 2] [--variants auto,float32] [--json]`.
 """
 
@@ -34,17 +36,20 @@ from services.runtime.sampler import SamplingParams  # noqa: E402
 TARGETS = {"decode_b1_ms_per_token": 2.0, "decode_b32_tokens_per_s": 3.0, "prefill_tokens_per_s": 2.0}
 VARIANTS = "auto,float32,bfloat16,bfloat16+int8,bfloat16+int4"
 PREFILL_ROWS = 512
-STEP_BATCHES = (1, 8)
+STEP_BATCHES = (1, 8, 32)
 
 
 def prompt(length: int, offset: int = 0) -> list[int]:
     return [(1000 + offset * 7 + i * 13) % 40000 + 100 for i in range(length)]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def peak_rss_mb() -> float:
@@ -98,11 +103,12 @@ def step_times(runner: TandemRunner, steps: int) -> dict[str, dict[str, float]]:
     return {f"decode_step_b{batch}_ms": runner.decode_step_ms(batch, steps) for batch in STEP_BATCHES}
 
 
-def measure(runner, batch32_tokens: int) -> dict[str, float]:
+def measure(runner, batch32_tokens: int, clock: Callable[[], float]) -> dict[str, float]:
     runner.generate([prompt(16)], 4)  # warm-up
-    b1 = timed(lambda: runner.generate([prompt(16)], 65)) - timed(lambda: runner.generate([prompt(16)], 1))
-    b32 = timed(lambda: runner.generate([prompt(16, i) for i in range(32)], batch32_tokens))
-    prefill = timed(lambda: runner.generate([prompt(512)], 1))
+    b1 = timed(lambda: runner.generate([prompt(16)], 65), clock)
+    b1 -= timed(lambda: runner.generate([prompt(16)], 1), clock)
+    b32 = timed(lambda: runner.generate([prompt(16, i) for i in range(32)], batch32_tokens), clock)
+    prefill = timed(lambda: runner.generate([prompt(512)], 1), clock)
     return {
         "decode_b1_ms_per_token": b1 / 64 * 1000,
         "decode_b32_tokens_per_s": 32 * batch32_tokens / b32,
@@ -145,15 +151,18 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, help="the GGUF llama-bench runs; default: the one the default model ships as")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed at each of batch 1 and 8")
     parser.add_argument("--steps-only", action="store_true", help="only the decode step times; no HF, no ratios")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="cpu: the process's CPU time, not wall time: with --threads 1 it holds steady while "
+                             "other work loads the machine")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or ensure_default_model()
-    result: dict[str, object] = {"threads": args.threads, "targets": TARGETS, "variants": {}}
+    result: dict[str, object] = {"threads": args.threads, "clock": args.clock, "targets": TARGETS, "variants": {}}
     for variant in args.variants.split(","):
         choice = variant_choice(variant, model_dir)
         runner = TandemRunner(model_dir, choice)
-        figures = {} if args.steps_only else measure(runner, args.batch32_tokens)
+        figures = {} if args.steps_only else measure(runner, args.batch32_tokens, CLOCKS[args.clock])
         figures.update(step_times(runner, args.steps))
         result["variants"][variant] = {"precision": choice.line(), **figures}  # type: ignore[index]
     result["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -162,7 +171,7 @@ def main() -> int:
         return 0
     # Tandem first: peak RSS is a high-water mark, so its figure excludes HF's model.
     result["peak_rss_mb_tandem"] = peak_rss_mb()
-    hf = measure(HfRunner(model_dir), args.batch32_tokens)
+    hf = measure(HfRunner(model_dir), args.batch32_tokens, CLOCKS[args.clock])
     result["hf_fp32"] = hf
     for figures in result["variants"].values():  # type: ignore[union-attr]
         figures["ratio_over_hf"] = ratios(figures, hf)
@@ -182,7 +191,7 @@ def steps_table(result: dict) -> str:
         steps = [figures[f"decode_step_b{b}_ms"] for b in STEP_BATCHES]
         lines.append(f"{name:24}" + "".join(f"{s['p50']:16.2f} / {s['min']:6.2f} / {s['cpu_p50']:6.2f}" for s in steps))
         lines.append(f"{'':24}  = {figures['precision']}")
-    lines.append(f"threads {result['threads']}; load average {' '.join(result['loadavg'])}")
+    lines.append(f"threads {result['threads']}, {result['clock']} clock; load average {' '.join(result['loadavg'])}")
     return "\n".join(lines)
 
 
