@@ -1,6 +1,6 @@
 """What the three worker servicers share: the runtime they serve once the model is loaded, the
-Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Stream, and Follow:
-many requests' on one call), the model catalogue's LoadModel and UnloadModel (ModelService), and
+Stats and Abort RPCs, the token streams the gateway reads (TokenStreamService.Follow: many
+requests' on one call), the model catalogue's LoadModel and UnloadModel (ModelService), and
 the checks on an incoming request.
 
 The gRPC server starts before the model loads (health says NOT_SERVING meanwhile), so a servicer
@@ -19,7 +19,7 @@ from services.common.wire import DEFAULT_MAX_TOKENS, abort_ids, sampling_from_pr
 from services.worker.runtime import WorkerRuntime
 from services.worker.stats import residency_to_pb
 from services.worker.token_streams import follow_many
-from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # Every role serves it (with its role's own services): the gateway reads the requests' tokens there.
 TOKEN_STREAM_SERVICE = ("tandem.v1.TokenStreamService", worker_pb2_grpc.add_TokenStreamServiceServicer_to_server)
@@ -45,13 +45,6 @@ class WorkerServicerBase:
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(aborted_ids=await self.runtime.abort(abort_ids(request)))
-
-    async def Stream(self, request: worker_pb2.StreamRequest, context) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """TokenStreamService.Stream: the request's events from this worker, for the gateway."""
-        if not request.request_id:
-            raise InvalidRequest("request_id", "is empty; pass the attempt id of the scheduler's Placement")
-        async for event in self.runtime.streams.follow(request.request_id, request.min_tokens_per_message):
-            yield event
 
     async def Follow(self, request_iterator: AsyncIterator[worker_pb2.FollowControl],
                      context) -> AsyncIterator[worker_pb2.FollowBatch]:

@@ -1,5 +1,5 @@
 """Each request's token events, held on the worker for the gateway that reads them
-(TokenStreamService.Stream): the scheduler is told where a request runs, never its tokens.
+(TokenStreamService.Follow): the scheduler is told where a request runs, never its tokens.
 
 A request's stream is opened by whichever comes first: the worker taking the request (`open`) or
 the gateway attaching (`follow`), which may come before the request reaches this worker (a
@@ -40,7 +40,7 @@ class _Stream:
 
 class RequestStreams:
     """Call order: open(request_id) as the worker takes a request -> push(event)* -> drop() on an
-    abort; follow(request_id) once, from the Stream RPC, in any order with open()."""
+    abort; follow(request_id) once, from a Follow call's attach, in any order with open()."""
 
     def __init__(self, on_abandoned: Callable[[str], None], attach_s: float = ATTACH_S) -> None:
         self._streams: dict[str, _Stream] = {}
@@ -155,8 +155,8 @@ async def follow_many(controls: AsyncIterator[worker_pb2.FollowControl],
 
 class _Batches:
     """The streams followed on one Follow call, and the batches filled for its next messages: one,
-    but an event with prompt logprobs (which may be megabytes) goes alone, as Stream would send it,
-    so that joining it to others never makes a message bigger than one request's."""
+    but an event with prompt logprobs (which may be megabytes) goes alone, so that joining it to
+    others never makes a message bigger than one request's."""
 
     def __init__(self, follow: Follow) -> None:
         self._follow = follow

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
-from tandem.v1 import scheduler_pb2 as tandem_dot_v1_dot_scheduler__pb2
 from tandem.v1 import worker_pb2 as tandem_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -38,11 +37,6 @@ class TokenStreamServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Stream = channel.unary_stream(
-                '/tandem.v1.TokenStreamService/Stream',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
-                _registered_method=True)
         self.Follow = channel.stream_stream(
                 '/tandem.v1.TokenStreamService/Follow',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.FollowControl.SerializeToString,
@@ -55,26 +49,20 @@ class TokenStreamServiceServicer:
     that holds the client's stream (where, the scheduler's Placement says).
     """
 
-    def Stream(self, request, context):
-        """The request's events from this worker, in order, until its last one: the
-        final event (finish_reason set) on a decode or colocated worker, output
-        token 0 on a prefill worker. Events produced before the call are held for
-        it; a request nobody attaches to within a bound is aborted. Cancelling the
-        call aborts the request here. UNAVAILABLE when the worker drops the request
-        (an Abort, a lost scheduler, shutdown); the scheduler's Submit call says why.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Follow(self, request_iterator, context):
-        """Many requests' events on one call (the gateway keeps one per worker): each
-        attach starts following one request as Stream would, a leave gives it up
-        (aborting it here, as cancelling its Stream would). Each message carries
-        every event ready when it is sent, of any request (a decode step's tokens
-        of the whole batch in one message), and the ends of the requests whose
-        last event went out (or that failed: the status Stream would have ended
-        with). Ending the call gives up every request still followed on it.
+        """The events of the requests a gateway attaches (it keeps one call per
+        worker for all its requests there). An attach follows one request: its
+        events in order until its last one (the final event, finish_reason set, on
+        a decode or colocated worker; output token 0 on a prefill worker); events
+        produced before the attach are held for it, and a request nobody attaches
+        to within a bound is aborted. A leave gives a request up (it is aborted
+        here). Each message carries every event ready when it is sent, of any
+        request (a decode step's tokens of the whole batch in one message), and
+        the ends of the requests whose last event went out, or that failed
+        (UNAVAILABLE when the worker dropped the request: an Abort, a lost
+        scheduler, shutdown; the scheduler's Submit call says why). The call ends
+        once the gateway half-closes it and no request is left on it; ending it
+        gives up every request still followed on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,11 +71,6 @@ class TokenStreamServiceServicer:
 
 def add_TokenStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Stream': grpc.unary_stream_rpc_method_handler(
-                    servicer.Stream,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
-            ),
             'Follow': grpc.stream_stream_rpc_method_handler(
                     servicer.Follow,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.FollowControl.FromString,
@@ -105,33 +88,6 @@ class TokenStreamService:
     """Every worker: the token events of the requests it runs, read by the gateway
     that holds the client's stream (where, the scheduler's Placement says).
     """
-
-    @staticmethod
-    def Stream(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tandem.v1.TokenStreamService/Stream',
-            tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
-            tandem_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Follow(request_iterator,

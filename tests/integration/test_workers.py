@@ -107,11 +107,11 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     def read(self, worker: Worker, request_id: str) -> None:
         """Read the request's token stream from `worker` in the background, as the gateway does."""
         def follow() -> None:
-            stream = worker_pb2_grpc.TokenStreamServiceStub(worker.channel).Stream(
-                worker_pb2.StreamRequest(request_id=request_id), timeout=120)
+            attach = worker_pb2.FollowControl(attach=worker_pb2.StreamRequest(request_id=request_id))
+            call = worker_pb2_grpc.TokenStreamServiceStub(worker.channel).Follow(iter([attach]), timeout=120)
             try:
-                for event in stream:
-                    self._record(lambda: self.streamed.append(event))
+                for batch in call:  # ends after the request's stream did (the controls are done)
+                    self._record(lambda: self.streamed.extend(batch.events))
             except grpc.RpcError:
                 pass  # the worker dropped the request (an abort, a release), or the test ended
 
