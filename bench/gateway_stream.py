@@ -49,6 +49,7 @@ class Result:
     stream_interval: int
     gateway_cpu_ms_per_token: float
     gateway_cpu_ms_per_request: float
+    event_loop_cpu_ms_per_token: float  # the gateway's main thread alone: its asyncio event loop
     gateway_threads_cpu_s: dict[str, float]  # the run's CPU per gateway thread name (event loop, gRPC poller, ...)
     loadavg_before: str
     loadavg_after: str
@@ -104,8 +105,9 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                                      "--format", "speedscope", "--output", str(args.profile), "--rate", "200", *native],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load_before, cpu_before, threads_before, started = loadavg(), cpu_seconds(pid), thread_cpu(pid), time.monotonic()
+    loop_before = loop_cpu(pid)
     outcome = asyncio.run(drive(cluster.http_gateway, args.requests, args))
-    wall, used = time.monotonic() - started, cpu_seconds(pid) - cpu_before
+    wall, used, loop_used = time.monotonic() - started, cpu_seconds(pid) - cpu_before, loop_cpu(pid) - loop_before
     threads = {name: round(cpu - threads_before.get(name, 0.0), 3) for name, cpu in thread_cpu(pid).items()}
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT, not on SIGTERM
@@ -116,8 +118,15 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                   stream_interval=args.stream_interval,
                   gateway_cpu_ms_per_token=round(used * 1e3 / tokens, 4),
                   gateway_cpu_ms_per_request=round(used * 1e3 / max(args.requests, 1), 2),
+                  event_loop_cpu_ms_per_token=round(loop_used * 1e3 / tokens, 4),
                   gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
                   loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model())
+
+
+def loop_cpu(pid: int) -> float:
+    """CPU seconds so far of the process's main thread (the gateway's event loop)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[str, float]:

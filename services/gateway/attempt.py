@@ -56,8 +56,7 @@ class Attempt:
         self.placement = placement
         self._relay = relay
         self._calls: list[FollowedStream] = []
-        self._tasks: list[asyncio.Task] = []
-        self._pumps: list[asyncio.Task] = []
+        self._readers: list[_StreamReader] = []
         self._watcher: asyncio.Task | None = None
         self._current = True
         self._scheduler_gone = False  # the Submit call broke with UNAVAILABLE after placement
@@ -72,12 +71,12 @@ class Attempt:
         if self.placement.prefill_address:
             addresses.append(self.placement.prefill_address)
         for address in addresses:
+            reader = _StreamReader(self, address, address == self.placement.generator_address)
+            self._readers.append(reader)
             call = open_stream(address, request)
             self._calls.append(call)
-            self._pumps.append(asyncio.ensure_future(self._pump(address, call)))
-        self._tasks.extend(self._pumps)
+            call.listen(reader)
         self._watcher = asyncio.ensure_future(self._watch())
-        self._tasks.append(self._watcher)
 
     async def settled(self, timeout: float) -> None:
         """Wait, at most `timeout` seconds, for the Submit call to end: after the final event, the
@@ -90,46 +89,42 @@ class Attempt:
         self._current = False
         for call in self._calls:
             call.cancel()
-        for task in self._tasks:
-            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.submit.cancel()
 
-    async def _pump(self, address: str, call: FollowedStream) -> None:
-        generator = address == self.placement.generator_address
-        try:
-            finished = await self._read(address, call, generator)
-        finally:
-            if generator:
-                self._generator_heard.set()
-        if generator and not finished and self._current:
-            self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from {address} "
-                                              f"ended before the request did, after its scheduler was lost; "
-                                              f"retry the request")
+    @property
+    def request_id(self) -> str:
+        return self._relay.request_id
+
+    def _take(self, reader: _StreamReader, event: scheduler_pb2.TokenEvent) -> bool:
+        """Push one of a worker stream's events into the relay; False: the stream is done (the
+        attempt stopped, or the worker's error event came: the scheduler ends the Submit call with it)."""
+        if not self._current:
+            return False
+        if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            if self._scheduler_gone:
+                self._fail(Unavailable(f"request {self._relay.request_id}: worker at {reader.address} "
+                                       f"failed it and no scheduler is left to say why; retry the request"))
+            return False
+        if reader.generator:
+            self._generator_started = True
+            self._generator_heard.set()
+        reader.finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        self._relay.push(event)
+        return True
+
+    def _stream_ended(self, reader: _StreamReader) -> None:
+        """A worker's stream gave its last event, or ended without it (`reader.finished` says which)."""
+        if not reader.generator:
+            return
+        self._generator_heard.set()
+        if not reader.finished and self._current:
+            self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from "
+                                              f"{reader.address} ended before the request did, after its "
+                                              f"scheduler was lost; retry the request")
             if self._scheduler_gone:
                 self._fail(self._generator_cut)
-
-    async def _read(self, address: str, call: FollowedStream, generator: bool) -> bool:
-        """Push the stream's events into the relay; whether its final event came."""
-        finished = False
-        try:
-            while (event := await call.read()) is not grpc.aio.EOF:  # no async generator per message
-                if not self._current:
-                    return False
-                if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    if self._scheduler_gone:
-                        self._fail(Unavailable(f"request {self._relay.request_id}: worker at {address} "
-                                               f"failed it and no scheduler is left to say why; retry the request"))
-                    return False  # the scheduler ends the Submit call with the worker's error
-                if generator:
-                    self._generator_started = True
-                    self._generator_heard.set()
-                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                self._relay.push(event)
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.CANCELLED:
-                log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
-                         self._relay.request_id, address, error.code().name, error.details())
-        return finished
 
     async def _watch(self) -> None:
         try:
@@ -143,7 +138,8 @@ class Attempt:
             if not self._current or error.code() == grpc.StatusCode.CANCELLED:
                 return
             if error.code() != grpc.StatusCode.UNAVAILABLE:
-                await asyncio.wait(self._pumps, timeout=STREAMS_GRACE_S)  # their tokens come first
+                await asyncio.wait([reader.ended for reader in self._readers],
+                                   timeout=STREAMS_GRACE_S)  # their tokens come first
                 self._fail(error_from_rpc(error))
                 return
             with contextlib.suppress(TimeoutError):
@@ -161,3 +157,34 @@ class Attempt:
     def _fail(self, error: TandemError) -> None:
         self._current = False
         self._relay.fail(error)
+
+
+class _StreamReader:
+    """One worker's stream of an attempt, taken as the Follow call hands it over (follow.py): its
+    events into the relay until the final one, the worker's error event, or the attempt stopping
+    (`ended` resolves then, and `finished` says whether the final event came)."""
+
+    __slots__ = ("_attempt", "address", "generator", "finished", "ended")
+
+    def __init__(self, attempt: Attempt, address: str, generator: bool) -> None:
+        self._attempt = attempt
+        self.address = address
+        self.generator = generator
+        self.finished = False
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_event(self, event: scheduler_pb2.TokenEvent) -> None:
+        if not self.ended.done() and not self._attempt._take(self, event):
+            self._end()
+
+    def on_end(self, error: grpc.aio.AioRpcError | None) -> None:
+        if self.ended.done():
+            return
+        if error is not None and error.code() != grpc.StatusCode.CANCELLED:
+            log.info("request %s: the token stream from %s ended: %s: %s (waiting for the scheduler's word)",
+                     self._attempt.request_id, self.address, error.code().name, error.details())
+        self._end()
+
+    def _end(self) -> None:
+        self.ended.set_result(None)
+        self._attempt._stream_ended(self)

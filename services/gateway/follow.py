@@ -3,9 +3,11 @@ each request attaches when placed and leaves when the gateway gives it up (the w
 it), and every message of the call carries the events of all its requests ready on the worker
 then, so gRPC's read of a message, and its I/O thread, serve a whole decode step's batch.
 
-A request's stream reads like the per-request call it replaces (`read()`: its events, then
-grpc.aio.EOF or the status that ended it, as an AioRpcError; `cancel()`), so attempt.py reads
-either. The call is opened by the first request attached and closed once none is left (a worker
+The call's reader hands each event straight to its request's consumer (`StreamConsumer`, which
+attempt.py gives as it starts reading), then the stream's end: None once it ended OK, else the
+status that ended it, as an AioRpcError. No queue and no task of the request's own sit between the
+call and the consumer: a message is handed over in one pass of the event loop, its whole batch.
+The call is opened by the first request attached and closed once none is left (a worker
 that drains for a shutdown then sees no call of the gateway's waiting). A call that breaks (the
 worker died, its connection dropped) ends every stream on it with its status; the next request
 opens a new one. It carries the internal token; the requests' deadlines are the gateway's own
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 
@@ -25,26 +28,34 @@ from tandem.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_Item = scheduler_pb2.TokenEvent | grpc.aio.AioRpcError | object  # object: grpc.aio.EOF
+
+class StreamConsumer(Protocol):
+    """What takes one request's stream: its events in order, then its end, once."""
+
+    def on_event(self, event: scheduler_pb2.TokenEvent) -> None: ...
+
+    def on_end(self, error: grpc.aio.AioRpcError | None) -> None:
+        """The stream ended: OK (None) or with the status that ended it."""
 
 
 class FollowedStream:
-    """One request's stream on a Follow call. Call order: read() until EOF or an error; cancel() any time."""
+    """One request's stream on a Follow call. Call order: listen() once; cancel() any time."""
 
-    __slots__ = ("request_id", "_items", "_call", "_ended")
+    __slots__ = ("request_id", "_call", "_ended", "_consumer", "_early")
 
     def __init__(self, request_id: str, call: _FollowCall | None) -> None:
         self.request_id = request_id
-        self._items: asyncio.Queue[_Item] = asyncio.Queue()
         self._call = call
         self._ended = call is None
+        self._consumer: StreamConsumer | None = None
+        self._early: list[scheduler_pb2.TokenEvent | _End] = []  # what came before listen()
 
-    async def read(self) -> scheduler_pb2.TokenEvent | object:
-        """The next event, or grpc.aio.EOF after the last; raises the AioRpcError that ended the stream."""
-        item = self._items.get_nowait() if not self._items.empty() else await self._items.get()
-        if isinstance(item, grpc.aio.AioRpcError):
-            raise item
-        return item
+    def listen(self, consumer: StreamConsumer) -> None:
+        """Hand the stream to `consumer`: what came already at once, the rest as it comes."""
+        self._consumer = consumer
+        early, self._early = self._early, []
+        for item in early:
+            self.put(item)
 
     def cancel(self) -> bool:
         """Leave the request (the worker aborts it if it still runs); False once the stream had ended."""
@@ -55,13 +66,32 @@ class FollowedStream:
         self._call.leave(self.request_id)
         return True
 
-    def put(self, event: scheduler_pb2.TokenEvent) -> None:
-        self._items.put_nowait(event)
-
-    def end(self, item: grpc.aio.AioRpcError | object) -> None:
-        """End the stream with grpc.aio.EOF or an error, after the events put before."""
+    def end(self, error: grpc.aio.AioRpcError | None) -> None:
+        """End the stream, OK (None) or with `error`, after the events put before."""
         self._ended = True
-        self._items.put_nowait(item)
+        self.put(_End(error))
+
+    def put(self, item: scheduler_pb2.TokenEvent | _End) -> None:
+        """An event, or the end, to the consumer; one that raises is a bug of its own, which must not end the call's other
+        requests: it is logged and its request left (its deadline ends it)."""
+        if self._consumer is None:
+            self._early.append(item)
+            return
+        try:
+            if isinstance(item, _End):
+                self._consumer.on_end(item.error)
+            else:
+                self._consumer.on_event(item)
+        except Exception:
+            log.exception("request %s: its token stream's consumer failed; leaving the request", self.request_id)
+            self.cancel()
+
+
+class _End:
+    __slots__ = ("error",)
+
+    def __init__(self, error: grpc.aio.AioRpcError | None) -> None:
+        self.error = error
 
 
 class WorkerFollow:
@@ -151,10 +181,10 @@ class _FollowCall:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}  # StreamEnd.code -> its status
 
 
-def _ended(end: worker_pb2.StreamEnd) -> grpc.aio.AioRpcError | object:
-    """grpc.aio.EOF for a stream that ended OK, else its status as the error a call would raise."""
+def _ended(end: worker_pb2.StreamEnd) -> grpc.aio.AioRpcError | None:
+    """None for a stream that ended OK, else its status as the error a call would raise."""
     if end.code == 0:
-        return grpc.aio.EOF
+        return None
     return _status(_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from services.common.errors import TandemError, Unavailable
 from services.gateway.attempt import Attempt
+from services.gateway.follow import StreamConsumer
 from services.gateway.relay import Relay
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
@@ -49,6 +50,32 @@ class FakeCall:
         return True
 
 
+class FakeStream:
+    """A worker's token stream as the Follow call hands it over (follow.py): the test gives its
+    events, then its end (`grpc.aio.EOF`: OK, or an AioRpcError)."""
+
+    def __init__(self) -> None:
+        self._consumer: StreamConsumer | None = None
+        self.cancelled = False
+
+    def listen(self, consumer: StreamConsumer) -> None:
+        self._consumer = consumer
+
+    def give(self, *items: object) -> None:
+        assert self._consumer is not None, "the attempt listens as it starts"
+        for item in items:
+            if item is grpc.aio.EOF:
+                self._consumer.on_end(None)
+            elif isinstance(item, grpc.aio.AioRpcError):
+                self._consumer.on_end(item)
+            else:
+                self._consumer.on_event(item)
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
 def status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
@@ -58,8 +85,8 @@ def token(offset: int, finish: int = common_pb2.FINISH_REASON_UNSPECIFIED) -> sc
                                     finish_reason=finish, worker_id="w")
 
 
-def started(relay: Relay) -> tuple[FakeCall, FakeCall, Attempt]:
-    submit, stream = FakeCall(), FakeCall()
+def started(relay: Relay) -> tuple[FakeCall, FakeStream, Attempt]:
+    submit, stream = FakeCall(), FakeStream()
     attempt = Attempt(submit, scheduler_pb2.Placement(attempt_id="r", generator_address=GENERATOR), relay)
     attempt.start(lambda address, request: stream)
     return submit, stream, attempt
@@ -144,7 +171,7 @@ async def test_the_stream_request_names_the_attempt() -> None:
     submit = FakeCall()
     attempt = Attempt(submit, scheduler_pb2.Placement(attempt_id="r.1", generator_address=GENERATOR,
                                                       prefill_address="127.0.0.1:2"), Relay("r"))
-    attempt.start(lambda address, request: opened.append((address, request)) or FakeCall())
+    attempt.start(lambda address, request: opened.append((address, request)) or FakeStream())
     assert [(a, r.request_id) for a, r in opened] == [(GENERATOR, "r.1"), ("127.0.0.1:2", "r.1")]
     attempt.close()
 

@@ -1,9 +1,10 @@
 """Many requests' token streams on one call (TokenStreamService.Follow): on the worker
 (token_streams.follow_many), each message carries every event ready, of any request, and the ends
 of the streams that ended; a leave, or the call's end, gives a request up. In the gateway
-(follow.py) over a real server with the internal token: each request reads its own events and
-end, a cancel leaves it on the worker, an idle call is closed and the next request opens another,
-and a call that breaks ends every stream on it with its status."""
+(follow.py) over a real server with the internal token: each request's consumer is handed its own
+events and end, a cancel leaves it on the worker, an idle call is closed and the next request opens
+another, a consumer that fails is left alone, and a call that breaks ends every stream on it with
+its status."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
-from services.gateway.follow import WorkerFollow
+from services.gateway.follow import FollowedStream, WorkerFollow
 from services.worker.token_streams import RequestStreams, follow_many
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 
@@ -59,13 +60,20 @@ def summary(batch: worker_pb2.FollowBatch) -> tuple[list[tuple[str, list[int]]],
     return ([(e.request_id, list(e.token_ids)) for e in batch.events], [(e.request_id, e.code) for e in batch.ends])
 
 
-async def test_one_message_carries_every_ready_event_and_the_ends_after_them() -> None:
-    streams = RequestStreams(lambda r: None)
+def followed(*request_ids: str, abandoned: list[str] | None = None,
+             ) -> tuple[RequestStreams, Controls, AsyncIterator[worker_pb2.FollowBatch]]:
+    """A worker's streams with `request_ids` opened (`abandoned` records what it gives up), and a
+    Follow call on them that has attached them all (the test sends its further controls)."""
+    streams = RequestStreams(abandoned.append if abandoned is not None else lambda r: None)
     controls = Controls()
-    batches = aiter(follow_many(aiter(controls), streams.follow))
-    for rid in ("a", "b"):
+    for rid in request_ids:
         streams.open(rid)
-    controls.send(attach("a"), attach("b"))
+    controls.send(*(attach(rid) for rid in request_ids))
+    return streams, controls, aiter(follow_many(aiter(controls), streams.follow))
+
+
+async def test_one_message_carries_every_ready_event_and_the_ends_after_them() -> None:
+    streams, controls, batches = followed("a", "b")
     streams.push(event("a", 0, 10))
     streams.push(event("b", 0, 20))
     assert summary(await asyncio.wait_for(anext(batches), DEADLINE_S)) == ([("a", [10]), ("b", [20])], [])
@@ -81,12 +89,7 @@ async def test_one_message_carries_every_ready_event_and_the_ends_after_them() -
 
 async def test_a_leave_gives_up_that_request_only_and_a_drop_ends_it_with_its_status() -> None:
     abandoned: list[str] = []
-    streams = RequestStreams(abandoned.append)
-    controls = Controls()
-    batches = aiter(follow_many(aiter(controls), streams.follow))
-    for rid in ("a", "b", "c"):
-        streams.open(rid)
-    controls.send(attach("a"), attach("b"), attach("c"))
+    streams, controls, batches = followed("a", "b", "c", abandoned=abandoned)
     streams.push(event("a", 0, 10))
     assert summary(await asyncio.wait_for(anext(batches), DEADLINE_S)) == ([("a", [10])], [])
     controls.send(worker_pb2.FollowControl(leave="a"))
@@ -135,11 +138,34 @@ class Worker(worker_pb2_grpc.TokenStreamServiceServicer):
             self.open_calls -= 1
 
 
-async def read_all(stream) -> list[int]:
-    tokens = []
-    while (item := await asyncio.wait_for(stream.read(), DEADLINE_S)) is not grpc.aio.EOF:
-        tokens.extend(item.token_ids)
-    return tokens
+class Recorder:
+    """A request's consumer on the gateway's side (attempt.py's part): keeps what it is handed."""
+
+    def __init__(self, stream: FollowedStream) -> None:
+        self.tokens: list[int] = []
+        self.error: grpc.aio.AioRpcError | None = None
+        self.ended = asyncio.get_running_loop().create_future()
+        stream.listen(self)
+
+    def on_event(self, event: scheduler_pb2.TokenEvent) -> None:
+        assert not self.ended.done(), "no event after the end"
+        self.tokens.extend(event.token_ids)
+
+    def on_end(self, error: grpc.aio.AioRpcError | None) -> None:
+        self.error = error
+        self.ended.set_result(None)
+
+
+async def read_all(recorder: Recorder) -> list[int]:
+    """The stream's tokens once it ended OK; raises the status it ended with."""
+    await asyncio.wait_for(asyncio.shield(recorder.ended), DEADLINE_S)
+    if recorder.error is not None:
+        raise recorder.error
+    return recorder.tokens
+
+
+def attached(follow: WorkerFollow, request_id: str, metadata: tuple[tuple[str, str], ...]) -> Recorder:
+    return Recorder(follow.attach(worker_pb2.StreamRequest(request_id=request_id), metadata))
 
 
 @pytest.fixture
@@ -164,8 +190,7 @@ METADATA = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b716920333
 
 async def test_the_gateways_requests_share_one_call_and_each_reads_its_own_events(served) -> None:
     worker, follow, _ = served
-    a = follow.attach(worker_pb2.StreamRequest(request_id="a"), METADATA)
-    b = follow.attach(worker_pb2.StreamRequest(request_id="b"), METADATA)
+    a, b = attached(follow, "a", METADATA), attached(follow, "b", METADATA)
     for rid, base in (("a", 10), ("b", 20)):
         worker.streams.open(rid)
         worker.streams.push(event(rid, 0, base))
@@ -173,7 +198,7 @@ async def test_the_gateways_requests_share_one_call_and_each_reads_its_own_event
     assert await read_all(a) == [10, 11] and await read_all(b) == [20, 21]
     assert worker.calls == 1
     await until(lambda: worker.open_calls == 0)  # no request left: the call was closed
-    c = follow.attach(worker_pb2.StreamRequest(request_id="c"), METADATA)  # and the next opens another
+    c = attached(follow, "c", METADATA)  # and the next opens another
     worker.streams.open("c")
     worker.streams.push(event("c", 0, 30, finish=LENGTH))
     assert await read_all(c) == [30] and worker.calls == 2
@@ -182,52 +207,74 @@ async def test_the_gateways_requests_share_one_call_and_each_reads_its_own_event
 
 async def test_a_cancelled_stream_is_given_up_on_the_worker_and_a_dropped_one_fails(served) -> None:
     worker, follow, _ = served
-    a = follow.attach(worker_pb2.StreamRequest(request_id="a"), METADATA)
-    b = follow.attach(worker_pb2.StreamRequest(request_id="b"), METADATA)
-    keep = follow.attach(worker_pb2.StreamRequest(request_id="keep"), METADATA)
-    for rid in ("a", "b", "keep"):
+    streams = {rid: follow.attach(worker_pb2.StreamRequest(request_id=rid), METADATA) for rid in ("a", "b", "keep")}
+    a, b, keep = (Recorder(stream) for stream in streams.values())
+    for rid in streams:
         worker.streams.open(rid)
     worker.streams.push(event("a", 0, 10))
-    assert list((await asyncio.wait_for(a.read(), DEADLINE_S)).token_ids) == [10]
-    assert a.cancel() is True
+    await until(lambda: a.tokens == [10])
+    assert streams["a"].cancel() is True
     await until(lambda: worker.abandoned == ["a"])
     worker.streams.drop("b", "aborted")
     with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await asyncio.wait_for(b.read(), DEADLINE_S)
+        await read_all(b)
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
     assert failure.value.details() == "request b was dropped by this worker: aborted"
-    assert b.cancel() is False  # it had ended: nothing to leave
+    assert streams["b"].cancel() is False  # it had ended: nothing to leave
     worker.streams.push(event("keep", 0, 7, finish=LENGTH))
     assert await read_all(keep) == [7] and worker.abandoned == ["a"] and worker.calls == 1
+    assert not a.ended.done()  # a left stream hears nothing more, its end included
+
+
+async def test_a_second_attach_of_a_followed_request_ends_at_once_with_invalid_argument(served) -> None:
+    worker, follow, _ = served
+    first = attached(follow, "a", METADATA)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await read_all(attached(follow, "a", METADATA))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.value.details() == "request 'a' is already followed on this worker's call"
+    worker.streams.open("a")
+    worker.streams.push(event("a", 0, 10, finish=LENGTH))
+    assert await read_all(first) == [10]
+
+
+class Failing(Recorder):
+    def on_event(self, event: scheduler_pb2.TokenEvent) -> None:
+        raise RuntimeError("a bug in the consumer")
+
+
+async def test_a_consumer_that_raises_is_left_and_the_others_on_the_call_go_on(served) -> None:
+    worker, follow, _ = served
+    bad = Failing(follow.attach(worker_pb2.StreamRequest(request_id="bad"), METADATA))
+    good = attached(follow, "good", METADATA)
+    for rid in ("bad", "good"):
+        worker.streams.open(rid)
+    worker.streams.push(event("bad", 0, 1))
+    await until(lambda: worker.abandoned == ["bad"])
+    worker.streams.push(event("good", 0, 2, finish=LENGTH))
+    assert await read_all(good) == [2] and not bad.ended.done()
 
 
 async def test_a_call_that_breaks_ends_every_stream_on_it_with_its_status(served) -> None:
     worker, follow, server = served
-    streams = [follow.attach(worker_pb2.StreamRequest(request_id=rid), METADATA) for rid in ("a", "b")]
+    recorders = [attached(follow, rid, METADATA) for rid in ("a", "b")]
     await until(lambda: worker.open_calls == 1)
     await server.stop(0)
-    for stream in streams:
+    for recorder in recorders:
         with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await asyncio.wait_for(stream.read(), DEADLINE_S)
+            await read_all(recorder)
         assert failure.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 async def test_a_call_without_the_internal_token_is_refused(served) -> None:
     _, follow, _ = served
-    stream = follow.attach(worker_pb2.StreamRequest(request_id="a"), METADATA[:1])
     with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await asyncio.wait_for(stream.read(), DEADLINE_S)
+        await read_all(attached(follow, "a", METADATA[:1]))
     assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-
 async def test_an_event_with_prompt_logprobs_goes_in_a_message_of_its_own() -> None:
-    streams = RequestStreams(lambda r: None)
-    controls = Controls()
-    batches = aiter(follow_many(aiter(controls), streams.follow))
-    for rid in ("a", "b", "c"):
-        streams.open(rid)
-    controls.send(attach("a"), attach("b"), attach("c"))
+    streams, _, batches = followed("a", "b", "c")
     streams.push(event("a", 0, 10))
     big = event("b", 0, 20)
     big.prompt_logprobs.add(token_id=5, logprob=-1.0)
