@@ -68,12 +68,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         policy.step_target_ms, policy.min_prefill_tokens = numbers.step_target_ms, numbers.min_prefill_tokens
         return policy
 
-    async def Heartbeats(self, request_iterator: AsyncIterator[scheduler_pb2.HeartbeatRequest],
-                         context) -> AsyncIterator[scheduler_pb2.HeartbeatResponse]:
-        async for request in request_iterator:
-            yield await self._heartbeat(request)
-
-    async def _heartbeat(self, request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.HeartbeatResponse:
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
         if not known:
             return scheduler_pb2.HeartbeatResponse(known=False)

@@ -1,11 +1,5 @@
-"""A worker's membership in the scheduler's registry: RegisterWorker, periodic heartbeats with its
+"""A worker's membership in the scheduler's registry: RegisterWorker, periodic Heartbeats with its
 load, registering again when the scheduler no longer knows it, and DeregisterWorker on shutdown.
-
-The heartbeats go on one long-lived Heartbeats stream, each answered on it in order: one message
-each way instead of a call. Each answer's wait is bounded as a call's was. A stream found broken is
-replaced at once and the heartbeat sent again on the new one (a restarted scheduler hears it without
-delay); a late answer fails the heartbeat and the next one opens a new stream (a late answer left
-on the old one would pair with the wrong heartbeat).
 """
 
 from __future__ import annotations
@@ -51,8 +45,6 @@ class Registration:
         self._on_reregistered = on_reregistered
         self._on_policy = on_policy
         self._task: asyncio.Task | None = None
-        self._stream: grpc.aio.StreamStreamCall | None = None
-        self._exchange = asyncio.Lock()  # one heartbeat on the stream at a time: answers pair by order
         self.interval_s = _DEFAULT_INTERVAL_S
         self.response: scheduler_pb2.RegisterWorkerResponse | None = None
 
@@ -99,7 +91,6 @@ class Registration:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._close_stream()
         if deregister:
             request = scheduler_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
             try:
@@ -127,19 +118,10 @@ class Registration:
             failing = False
 
     async def heartbeat(self) -> bool:
-        """One heartbeat; registers again (and runs on_reregistered) when the scheduler forgot us.
-        AioRpcError when the stream broke or the answer was late (the next heartbeat reopens it)."""
+        """One heartbeat; registers again (and runs on_reregistered) when the scheduler forgot us."""
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
-        async with self._exchange:
-            fresh = self._stream is None
-            try:
-                response = await self._exchange_one(request, timeout)
-            except grpc.aio.AioRpcError as error:
-                if fresh or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
-                # The stream broke since the last heartbeat (the scheduler restarted, say): once more on a new one.
-                response = await self._exchange_one(request, timeout)
+        response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
         if response.known:
             if response.HasField("policy") and self._on_policy is not None:
                 await self._on_policy(response.policy)
@@ -149,41 +131,3 @@ class Registration:
         if self._on_reregistered is not None:
             await self._on_reregistered(response)
         return False
-
-    async def _exchange_one(self, request: scheduler_pb2.HeartbeatRequest,
-                            timeout: float) -> scheduler_pb2.HeartbeatResponse:
-        """Send one heartbeat on the stream (opened if none is) and read its answer within `timeout`."""
-        if self._stream is None:
-            self._stream = self._stub.Heartbeats(metadata=self._metadata)
-        try:
-            response = await asyncio.wait_for(_send_and_read(self._stream, request), timeout)
-        except TimeoutError:
-            self._close_stream()
-            detail = f"no answer to the heartbeat within {timeout:g} s"
-            raise _failed(grpc.StatusCode.DEADLINE_EXCEEDED, detail) from None
-        except grpc.aio.AioRpcError:
-            self._close_stream()
-            raise
-        except asyncio.InvalidStateError:  # a write on a stream that had already ended (its scheduler went away)
-            self._close_stream()
-            raise _failed(grpc.StatusCode.UNAVAILABLE, "the heartbeat stream had ended") from None
-        if response is grpc.aio.EOF:
-            self._close_stream()
-            raise _failed(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the heartbeat stream")
-        return response
-
-    def _close_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
-            self._stream = None
-
-
-async def _send_and_read(stream: grpc.aio.StreamStreamCall,
-                         request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.HeartbeatResponse:
-    await stream.write(request)
-    return await stream.read()
-
-
-def _failed(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """A heartbeat that failed on the stream, as the error a failed call would raise."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

@@ -58,8 +58,8 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
-        self.Heartbeats = channel.stream_stream(
-                '/tandem.v1.SchedulerService/Heartbeats',
+        self.Heartbeat = channel.unary_unary(
+                '/tandem.v1.SchedulerService/Heartbeat',
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
@@ -129,12 +129,8 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Heartbeats(self, request_iterator, context):
-        """Worker -> scheduler: one long-lived stream per worker carrying its
-        heartbeats; each renews the registration and reports the current load, and
-        is answered on the stream, in order (no call per heartbeat). The worker
-        bounds each answer's wait and opens a new stream when one is late or the
-        stream breaks.
+    def Heartbeat(self, request, context):
+        """Worker -> scheduler: renews the registration and reports current load.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,8 +197,8 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.SerializeToString,
             ),
-            'Heartbeats': grpc.stream_stream_rpc_method_handler(
-                    servicer.Heartbeats,
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -349,7 +345,7 @@ class SchedulerService:
             _registered_method=True)
 
     @staticmethod
-    def Heartbeats(request_iterator,
+    def Heartbeat(request,
             target,
             options=(),
             channel_credentials=None,
@@ -359,10 +355,10 @@ class SchedulerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/tandem.v1.SchedulerService/Heartbeats',
+            '/tandem.v1.SchedulerService/Heartbeat',
             tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
             tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
             options,

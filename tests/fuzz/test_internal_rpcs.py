@@ -1,5 +1,5 @@
 """The internal RPCs under hypothesis-generated messages sent with the valid internal token: the
-scheduler's (Submit, Abort, Stats, RegisterWorker, Heartbeats, DeregisterWorker, ReportBlocks,
+scheduler's (Submit, Abort, Stats, RegisterWorker, Heartbeat, DeregisterWorker, ReportBlocks,
 ReportTokens) and the workers' (Prefill, Reserve, Release, Abort, Stats, KV Push). Pass: no call
 ends INTERNAL or UNKNOWN, no process dies, and once the workers a fuzzed RegisterWorker invented
 have lapsed (3 s TTL) the mesh serves the reference request's exact tokens and is idle.
@@ -62,8 +62,6 @@ class Rpc:
     def call(self, channel: grpc.Channel, sent: Message | list[Message], token_metadata) -> Callable[[], object]:
         method = getattr(self.stub(channel), self.method)
         arguments = {"timeout": INTERNAL_TIMEOUT_S, "metadata": token_metadata}
-        if self.client_streaming and self.server_streaming:
-            return lambda: list(method(iter(sent), **arguments))
         if self.client_streaming:
             return lambda: method(iter(sent), **arguments)
         if self.server_streaming:
@@ -77,8 +75,7 @@ SCHEDULER_RPCS = [
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Abort", common_pb2.AbortRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Stats", scheduler_pb2.SchedulerStatsRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "RegisterWorker", scheduler_pb2.RegisterWorkerRequest.DESCRIPTOR),
-    Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Heartbeats", scheduler_pb2.HeartbeatRequest.DESCRIPTOR,
-        client_streaming=True, server_streaming=True),
+    Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Heartbeat", scheduler_pb2.HeartbeatRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "DeregisterWorker",
         scheduler_pb2.DeregisterWorkerRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "ReportBlocks", scheduler_pb2.ReportBlocksRequest.DESCRIPTOR),

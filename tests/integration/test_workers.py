@@ -69,11 +69,7 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_ttl_ms=3000, heartbeat_interval_ms=200,
                                                     policy=POLICY, scheduler_id="recording")
 
-    def Heartbeats(self, request_iterator, context):
-        for request in request_iterator:
-            yield self._heartbeat(request)
-
-    def _heartbeat(self, request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.HeartbeatResponse:
+    def Heartbeat(self, request, context):
         with self.cond:
             registered = any(info.worker_id == request.worker_id for info in self.registrations)
             known = registered and request.worker_id not in self._forgotten

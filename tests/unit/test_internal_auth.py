@@ -85,7 +85,7 @@ def test_every_internal_service_is_covered() -> None:
                 for service in module.DESCRIPTOR.services_by_name.values()}
     assert {full for full, _ in SERVICES} == declared - {"tandem.v1.GenerateService"}
     assert {m.name for _, m in METHODS} >= {
-        "Submit", "Abort", "Stats", "RegisterWorker", "Heartbeats", "ReportTokens", "Reserve", "Prefill", "Push"}
+        "Submit", "Abort", "Stats", "RegisterWorker", "Heartbeat", "ReportTokens", "Reserve", "Prefill", "Push"}
 
 
 @pytest.mark.parametrize(("full_name", "method"), METHODS, ids=[f"{f.rsplit('.', 1)[1]}.{m.name}" for f, m in METHODS])

@@ -184,14 +184,14 @@ async def test_without_a_prefill_worker_the_hybrid_decode_worker_prefills_everyt
 
 
 async def test_heartbeats_bring_each_workers_step_cost_model_to_the_decision() -> None:
-    from tests.unit.test_scheduler_service import heartbeat, scheduler
+    from tests.unit.test_scheduler_service import CLIENT_METADATA, scheduler
 
     async with scheduler("d-0") as mesh:
         worker = mesh.workers["d-0"]
         mesh.dispatcher.placement = PrefillPlacement(PlacementPolicy(itl_ms=50.0))
         model = scheduler_pb2.StepCostModel(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.0)
         request = scheduler_pb2.HeartbeatRequest(worker_id="d-0", load=scheduler_pb2.WorkerLoad(step_cost=model))
-        assert (await heartbeat(worker.stub, request)).known
+        assert (await worker.stub.Heartbeat(request, metadata=CLIENT_METADATA)).known
         assert mesh.dispatcher.placement.decide("d-0", inputs(30)).step_ms == 40.0
 
         assert await worker.heartbeat()  # a load without a model (the worker restarted): the rule again

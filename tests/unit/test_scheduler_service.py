@@ -119,7 +119,7 @@ class FakeWorker:
     async def heartbeat(self) -> bool:
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id,
                                                  load=scheduler_pb2.WorkerLoad(free_blocks=self.free_blocks))
-        return (await heartbeat(self.stub, request)).known
+        return (await self.stub.Heartbeat(request, metadata=CLIENT_METADATA)).known
 
     async def kill(self) -> None:
         """As SIGKILL looks to the scheduler: the token stream breaks, the server goes away."""
@@ -284,17 +284,6 @@ async def scheduler(*workers: str, ttl: float = 30.0, max_queue: int = 8, max_ru
         await server.stop(0)
 
 
-async def heartbeat(stub: scheduler_pb2_grpc.SchedulerServiceStub,
-                    request: scheduler_pb2.HeartbeatRequest) -> scheduler_pb2.HeartbeatResponse:
-    """One heartbeat's answer, on a Heartbeats stream of its own."""
-    call = stub.Heartbeats(metadata=CLIENT_METADATA, timeout=DEADLINE_S)
-    await call.write(request)
-    answer = await call.read()
-    await call.done_writing()
-    assert await call.read() is grpc.aio.EOF  # one answer per heartbeat, then the stream ends OK
-    return answer
-
-
 async def rest(call) -> list[scheduler_pb2.SubmitEvent]:
     """The remaining messages of a Submit call read with read() (gRPC forbids mixing it with `async for`)."""
     events = []
@@ -414,11 +403,11 @@ async def test_a_heartbeat_with_a_step_cost_model_gets_the_policy_meeting_the_sl
         info = scheduler_pb2.WorkerInfo(worker_id="d-9", role=ROLES["d"], address="127.0.0.1:9", model=MODEL,
                                         num_blocks=8, block_size=16)
         await mesh.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), metadata=CLIENT_METADATA)
-        unfitted = await heartbeat(mesh.stub, scheduler_pb2.HeartbeatRequest(worker_id="d-9"))
+        unfitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id="d-9"), metadata=CLIENT_METADATA)
         cost = scheduler_pb2.StepCostModel(fixed_ms=10, per_token_ms=0.05, per_context_token_ms=0.0001,
                                            per_decode_context_ms=0.001)
-        fitted = await heartbeat(mesh.stub, scheduler_pb2.HeartbeatRequest(
-            worker_id="d-9", load=scheduler_pb2.WorkerLoad(step_cost=cost)))
+        fitted = await mesh.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
+            worker_id="d-9", load=scheduler_pb2.WorkerLoad(step_cost=cost)), metadata=CLIENT_METADATA)
     assert unfitted.known and not unfitted.HasField("policy")
     assert fitted.policy == scheduler_pb2.BatchPolicy(max_num_batched_tokens=576, max_num_seqs=64, chunk_size=512,
                                                       batch_window_ms=10, step_target_ms=50, min_prefill_tokens=52)
