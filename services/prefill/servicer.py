@@ -248,14 +248,19 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
     async def _end_stream(self, served: ServedModel, rid: str, segment: Segment, feed: _LayerFeed,
                           reuse: bool) -> None:
         """Stops the engine gathering the request's layers, then gives its segment back (`reuse`: the
-        receiver acknowledged it) or closes it."""
-        try:
-            await served.loop.call(lambda engine: served.handoff.stop_stream(rid))
-        except RuntimeError:  # the engine loop stopped: it gathers nothing more
-            pass
-        finally:
+        receiver acknowledged it) or closes it. The segment goes only once the engine thread has
+        stopped, even when this handler is cancelled meanwhile (the stop is shielded from that)."""
+        stopping = asyncio.ensure_future(served.loop.call(lambda engine: served.handoff.stop_stream(rid)))
+
+        def stopped(done: asyncio.Future[None]) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved; a RuntimeError: the engine loop stopped, it gathers nothing more
             feed.close()
             self._segments.release(segment, reuse=reuse)
+
+        stopping.add_done_callback(stopped)
+        with contextlib.suppress(RuntimeError):
+            await asyncio.shield(stopping)
 
     def _note_failed_push(self, address: str, error: TandemError) -> None:
         """A push through shared memory failed: when for want of reading our segments, the decode

@@ -26,6 +26,7 @@ blocks go back to the engine only later, in `free`. A lock guards the bookkeepin
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from services.runtime.batch_scheduler import ScheduledChunk
 from services.runtime.kv_transfer import KvChunk, blocks_per_chunk, export_kv, gather_layer, import_kv, num_export_chunks
 from services.runtime.sampler import SamplingParams
 from services.runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -146,7 +149,12 @@ class KvHandoff:
                 continue
             seq = chunk.seq
             num_blocks = self.engine.blocks_for_tokens(seq.num_computed_tokens + chunk.num_new_tokens)
-            gather_layer(self.engine.cache, seq.block_table[stream.skip_blocks : num_blocks], layer, stream.into)
+            try:
+                gather_layer(self.engine.cache, seq.block_table[stream.skip_blocks : num_blocks], layer, stream.into)
+            except ValueError as exc:  # its buffer went (a bug on the sender's side): fail that request only
+                log.error("request %s: stopped streaming its KV at layer %d: %s", seq.request_id, layer, exc)
+                self.stop_stream(seq.request_id)
+                continue
             stream.on_layers(layer + 1)
 
     def release_export(self, request_id: str) -> None:

@@ -193,3 +193,16 @@ def test_a_stream_stopped_midway_gathers_no_later_layer(tiny_model_dir) -> None:
     layer_bytes = 2 * engine_.cache.layer_block_bytes
     assert seen == [1] and bytes(streamed[layer_bytes:]) == b"\xff" * (len(streamed) - layer_bytes)
     assert engine_.runner.after_layer is None
+
+
+def test_a_stream_whose_buffer_is_gone_fails_alone_and_the_engine_steps_on(tiny_model_dir) -> None:
+    from tests.unit.test_model_tiny import PROMPT
+
+    engine_, seen = tiny_engine(tiny_model_dir), []
+    handoff = KvHandoff(engine_)
+    streamed = memoryview(bytearray(2 * engine_.cache.block_bytes))
+    engine_.add_request("r", PROMPT[:8], SamplingParams(max_tokens=4, temperature=0.0), stop_after_prefill=True)
+    handoff.stream_layers("r", LayerStream(0, streamed, seen.append))
+    streamed.release()  # as a sender that let its segment go too early
+    (output,) = engine_.step()
+    assert output.request_id == "r" and seen == [] and engine_.runner.after_layer is None
