@@ -216,7 +216,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: s
     if quantization == "int4" and Int4Groups.fits(weight):
         quantized: Linear = int4_linear(Int4Groups.quantize(weight) if groups is None else groups, bias, dtype)
     else:
-        quantized = Int8Linear.quantize(weight, bias, dtype)
+        quantized = int8_linear(weight, bias, dtype)
     if dense_from_rows is None:
         return quantized
     return SplitLinear(quantized, make_linear(weight, bias, "none", dtype, device), dense_from_rows)
