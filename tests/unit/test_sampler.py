@@ -236,11 +236,25 @@ def test_logprobs_are_raw_top_n_sorted_best_first():
     assert [lp for _, lp in token.top_logprobs] == pytest.approx([math.log(p) for p in PROBS[:3]], abs=1e-6)
 
 
-@pytest.mark.parametrize("logprobs, expected_ids", [(None, []), (0, []), (1, [0]), (20, [0, 1, 2, 3])])
+@pytest.mark.parametrize("logprobs, expected_ids", [(0, []), (1, [0]), (20, [0, 1, 2, 3])])
 def test_logprobs_count(logprobs, expected_ids):
     token = sample_one(LOGITS, SamplingParams(logprobs=logprobs), seed=2)
     assert [t for t, _ in token.top_logprobs] == expected_ids
     assert token.logprob == pytest.approx(math.log(PROBS[token.token_id]), abs=1e-6)
+
+
+def test_rows_without_logprobs_get_none_and_leave_the_others_exact():
+    """Only rows that ask are scored; a row that asks gets the same figures as when sampled alone."""
+    asking = SamplingParams(temperature=0, logprobs=2)
+    logits = torch.cat([LOGITS, LOGITS.flip(1)])  # row 1 prefers token 3
+    requests = [request(SamplingParams(temperature=0)), request(asking)]
+    plain, scored = Sampler().sample(logits, requests)
+    alone = Sampler().sample(logits[1:], requests[1:])[0]
+    assert (plain.token_id, plain.logprob, plain.top_logprobs) == (0, None, [])
+    assert (scored.token_id, scored.logprob, scored.top_logprobs) == (alone.token_id, alone.logprob, alone.top_logprobs)
+    assert scored.token_id == 3
+    assert scored.logprob == pytest.approx(math.log(PROBS[0]), abs=1e-6)
+    assert [t for t, _ in scored.top_logprobs] == [3, 2]
 
 
 def test_logprobs_ties_are_listed_lowest_id_first():
