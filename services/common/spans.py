@@ -49,6 +49,7 @@ class Attr:
     KV_PEER = "tandem.kv.peer"  # the other end of a KV transfer
     KV_REUSED_BLOCKS = "tandem.kv.reused_blocks"  # leading blocks the receiver held already: not shipped
     KV_TRANSPORT = "tandem.kv.transport"  # "grpc", or "shm" on the same host
+    KV_AFTER_FIRST_TOKEN_MS = "tandem.kv.after_first_token_ms"  # what the hand-off adds: the rest after the first token
     DECODE_ITERATIONS = "tandem.decode.iterations"
     DECODE_PREEMPTIONS = "tandem.decode.preemptions"
     TTFT_S = "tandem.ttft_s"  # time to first token, from the span's start

@@ -187,7 +187,8 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         header = self._header(request, job, output, export.num_chunks)
         header.model = served.name
         job.transfer.blocks = export.num_blocks
-        with self._send_span(request, export.skipped_blocks, "grpc", job):
+        opened = time.monotonic()
+        with self._send_span(request, export.skipped_blocks, "grpc") as span, self._timed(span, job, opened):
             job.push = self._stub(request).Push(self._messages(rid, header, export.chunks, job.transfer),
                                                 timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
                                                 metadata=(*inject_metadata(), *self._channels.metadata))
@@ -212,38 +213,42 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         first = asyncio.ensure_future(runtime.first_output(rid))
         started = asyncio.ensure_future(feed.beyond(0))
         ack = None
-        try:
-            await asyncio.wait((first, started), return_when=asyncio.FIRST_COMPLETED)
-            if started.done():  # the last prompt chunk is computing: open the push
-                header = self._partial_header(request, served.name, segment)
-                job.push = self._stub(request).Push(
-                    self._streamed_messages(rid, header, layout, feed, first, job),
-                    timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
-                    metadata=(*inject_metadata(), *self._channels.metadata))
-            output = await first
-            if not _ships(output) or runtime.was_aborted(rid):
-                job.transfer.Clear()  # the layers sent go with the cancelled push: nothing was shipped
+        span, opened = trace.INVALID_SPAN, time.monotonic()
+        with contextlib.ExitStack() as sending:  # the send span, from the push's opening: errors land on it
+            try:
+                await asyncio.wait((first, started), return_when=asyncio.FIRST_COMPLETED)
+                if started.done():  # the last prompt chunk is computing: open the push, in its span
+                    span = sending.enter_context(self._send_span(request, request.decode_reused_blocks, "shm"))
+                    opened = time.monotonic()
+                    header = self._partial_header(request, served.name, segment)
+                    job.push = self._stub(request).Push(
+                        self._streamed_messages(rid, header, layout, feed, first, job),
+                        timeout=remaining_timeout(context, PUSH_TIMEOUT_S),
+                        metadata=(*inject_metadata(), *self._channels.metadata))
+                output = await first
+                if not _ships(output) or runtime.was_aborted(rid):
+                    job.transfer.Clear()  # the layers sent go with the cancelled push: nothing was shipped
+                    return output
+                if feed.ready < layout.num_layers:  # the engine thread posts every layer before the token
+                    raise RuntimeError(f"request {rid}: the first token came with {feed.ready} of "
+                                       f"{layout.num_layers} KV layers gathered")
+                job.transfer.blocks = await served.loop.call(
+                    lambda engine: served.handoff.hold_streamed(rid, request.decode_reused_blocks))
+                assert job.push is not None
+                with self._timed(span, job, opened):
+                    ack = await self._await_push(rid, job.push, request.decode_address)
+                self._check_admitted(request, ack)
                 return output
-            if feed.ready < layout.num_layers:  # the engine thread posts every layer before the token
-                raise RuntimeError(f"request {rid}: the first token came with {feed.ready} of "
-                                   f"{layout.num_layers} KV layers gathered")
-            job.transfer.blocks = await served.loop.call(
-                lambda engine: served.handoff.hold_streamed(rid, request.decode_reused_blocks))
-            assert job.push is not None
-            with self._send_span(request, request.decode_reused_blocks, "shm", job):
-                ack = await self._await_push(rid, job.push, request.decode_address)
-            self._check_admitted(request, ack)
-            return output
-        except TandemError as exc:
-            self._note_failed_push(request.decode_address, exc)
-            raise
-        finally:
-            started.cancel()
-            if not first.done():
-                first.cancel()
-            if ack is None and job.push is not None:
-                job.push.cancel()
-            await self._end_stream(served, rid, segment, feed, reuse=ack is not None)
+            except TandemError as exc:
+                self._note_failed_push(request.decode_address, exc)
+                raise
+            finally:
+                started.cancel()
+                if not first.done():
+                    first.cancel()
+                if ack is None and job.push is not None:
+                    job.push.cancel()
+                await self._end_stream(served, rid, segment, feed, reuse=ack is not None)
 
     async def _end_stream(self, served: ServedModel, rid: str, segment: Segment, feed: _LayerFeed,
                           reuse: bool) -> None:
@@ -277,19 +282,26 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
     def _stub(self, request) -> kv_transfer_pb2_grpc.KvTransferServiceStub:
         return kv_transfer_pb2_grpc.KvTransferServiceStub(self._channels.get(request.decode_address))
 
-    @contextlib.contextmanager
-    def _send_span(self, request, reused_blocks: int, transport: str, job: PrefillJob) -> Iterator[None]:
-        """The transfer's span and timing, from here to the ack: after the first token, what the
-        hand-off adds before the decode worker may start."""
-        started = time.monotonic()
+    @staticmethod
+    def _send_span(request, reused_blocks: int, transport: str) -> contextlib.AbstractContextManager[trace.Span]:
+        """The transfer's span, current while the push opens so the decode worker's receive span is its child."""
         attributes = {Attr.KV_PEER: request.decode_address, Attr.KV_REUSED_BLOCKS: reused_blocks,
                       Attr.KV_TRANSPORT: transport}
-        with tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes) as span:
-            yield
-            seconds = time.monotonic() - started
-            job.transfer.duration_ms = seconds * 1000
-            span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes,
-                                                       job.transfer.chunks, seconds))
+        return tracer.start_as_current_span(SpanName.KV_SEND, attributes=attributes)
+
+    @contextlib.contextmanager
+    def _timed(self, span: trace.Span, job: PrefillJob, opened: float) -> Iterator[None]:
+        """Times the transfer, from here (the first token is out) to the ack: what the hand-off adds
+        before the decode worker may start, on `span`, the response and the metrics. The span's rate
+        is over its whole life, from `opened` (the push's opening, earlier when layer-pipelined)."""
+        started = time.monotonic()
+        yield
+        ended = time.monotonic()
+        seconds = ended - started
+        job.transfer.duration_ms = seconds * 1000
+        span.set_attributes(kv_transfer_attributes(job.transfer.blocks, job.transfer.bytes, job.transfer.chunks,
+                                                   ended - opened))
+        span.set_attribute(Attr.KV_AFTER_FIRST_TOKEN_MS, seconds * 1000)
         if self.runtime.metrics is not None:
             self.runtime.metrics.kv_transfer_time.observe(seconds)
 

@@ -240,12 +240,18 @@ def test_one_request_is_one_connected_trace_through_every_hop(mesh, run_dir, mod
     assert iterations(spans) == [(32, 0, 1), (8, 0, 1)]
 
     sent, received = one(spans, SpanName.KV_SEND), one(spans, SpanName.KV_RECEIVE)
-    for end in (sent, received):  # the KV of 40 tokens: 3 blocks, 30 layers x 2 chunks of <= 2 blocks
+    # The KV of 40 tokens, 3 blocks, through shared memory (one host), layer-pipelined: one message
+    # per run of layers gathered while the prompt's last chunk computed, so 1 to 30 of them.
+    chunks = sent.attributes[Attr.KV_CHUNKS]
+    assert 1 <= chunks <= NUM_LAYERS
+    for end in (sent, received):
+        assert end.attributes[Attr.KV_TRANSPORT] == "shm"
         assert end.attributes[Attr.KV_BLOCKS] == 3
         assert end.attributes[Attr.KV_BYTES] == kv_bytes(40) == 3 * BLOCK * KV_BYTES_PER_TOKEN
-        assert end.attributes[Attr.KV_CHUNKS] == NUM_LAYERS * 2
+        assert end.attributes[Attr.KV_CHUNKS] == chunks
         assert end.attributes[Attr.KV_MB_PER_S] > 0
     assert sent.attributes[Attr.KV_PEER] == decode_address
+    assert 0 < sent.attributes[Attr.KV_AFTER_FIRST_TOKEN_MS] <= sent.duration_ns / 1e6
     assert sent.attributes[Attr.KV_MB_PER_S] == pytest.approx(kv_bytes(40) / 1e6 / (sent.duration_ns / 1e9), rel=0.1)
 
     decode = one(spans, SpanName.DECODE)
@@ -354,7 +360,8 @@ def test_tandem_trace_prints_every_hop_in_order_and_its_json_matches_the_spans(m
     positions = [names.index(hop) for hop in hops]
     assert positions == sorted(positions)
     assert re.search(r"admitted@[\d.]+ms  routed@[\d.]+ms", text)
-    assert f"kv.bytes={kv_bytes(40)}" in text and f"kv.chunks={NUM_LAYERS * 2}" in text
+    chunks = one(spans, SpanName.KV_SEND).attributes[Attr.KV_CHUNKS]
+    assert f"kv.bytes={kv_bytes(40)}" in text and f"kv.chunks={chunks}" in text
     assert "decode.iterations=3" in text and "usage.output_tokens=4" in text
 
 
@@ -481,7 +488,7 @@ def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
     e2e = delta("gateway", "tandem:e2e_request_latency_seconds_sum")
     assert e2e == pytest.approx(ttft + itl, abs=0.01 * n)  # observed as the last token arrived
     assert e2e <= sum(one(s, ROOT).duration_ns for s in spans.values()) / 1e9
-    sends = sum(one(s, SpanName.KV_SEND).duration_ns for s in spans.values()) / 1e9
+    sends = sum(one(s, SpanName.KV_SEND).attributes[Attr.KV_AFTER_FIRST_TOKEN_MS] for s in spans.values()) / 1e3
     assert delta("prefill", "tandem:kv_transfer_seconds_sum") == pytest.approx(sends, abs=0.005 * n)
     queued = sum(queue_ns(one(s, SpanName.SCHEDULER_SUBMIT)) for s in spans.values()) / 1e9
     assert delta("scheduler", "tandem:request_queue_time_seconds_sum") == pytest.approx(queued, abs=0.005 * n)

@@ -416,8 +416,10 @@ def test_first_token_that_ends_the_request_ships_no_kv(mesh, parity_prompts):
                                            completion_tokens=1)
     assert event.logprobs[0].token_id == response.first_token_id and len(event.logprobs[0].top_logprobs) == 2
     assert response.first_logprob == event.logprobs[0]
+    # The push opened while the prompt computed (layer-pipelined) and was cut by the ending token: the
+    # decode worker frees the reservation on that cut or on this Release, whichever reaches it first.
     released = mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="one-token"), timeout=5)
-    assert released.released_blocks == len(reservation.block_ids)
+    assert released.released_blocks in (0, len(reservation.block_ids))
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
