@@ -32,6 +32,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace tandem {
@@ -40,7 +41,8 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowBlock = 16;                       // output rows a block packs together
 constexpr int64_t kBlockGroupBytes = kRowBlock * kGroup / 2;  // one block's codes of one group: 256
-constexpr int64_t kMaxTile = 4;                         // int8: rows of x that share one weight row
+constexpr int64_t kMaxTile = 4;                         // int8_gemv: rows of x that share one weight row
+constexpr int64_t kMmTile = 8;                          // int4_mm, int8_mm: rows of x per pass over a block
 constexpr float kCodeBias = 128.f;                      // bf16 0x4300 | code == 128 + code
 
 struct Int4Shape {
@@ -121,6 +123,23 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
 }
 
+template <int Rows, typename Tile>
+inline void last_tile(int64_t left, int64_t m, Tile& tile) {
+  if constexpr (Rows > 0) {
+    if (left == Rows) tile(std::integral_constant<int, Rows>{}, m);
+    else last_tile<Rows - 1>(left, m, tile);
+  }
+}
+
+// Rows [0, rows) of x in tiles of MaxTile, the rest as one smaller tile: `tile(n, m)` gets the
+// tile's row count n as a compile-time constant (the kernels keep a tile's sums in registers).
+template <int MaxTile, typename Tile>
+inline void for_row_tiles(int64_t rows, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + MaxTile <= rows; m += MaxTile) tile(std::integral_constant<int, MaxTile>{}, m);
+  last_tile<MaxTile - 1>(rows - m, m, tile);
+}
+
 // Block b's 16 outputs for x rows [m0, m0 + Tile): per group, 16 lanes of dot products with the
 // biased codes, each unpacked weight vector used by every row of the tile; then scale and offset.
 template <int Tile>
@@ -158,19 +177,7 @@ void int4_block_tile(const Int4Args& a, int64_t b, int64_t m0) {
 }
 
 void int4_block_avx512(const Int4Args& a, int64_t b) {
-  const int64_t rows = a.s.rows_x;
-  int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) int4_block_tile<8>(a, b, m);
-  switch (rows - m) {
-    case 7: int4_block_tile<7>(a, b, m); break;
-    case 6: int4_block_tile<6>(a, b, m); break;
-    case 5: int4_block_tile<5>(a, b, m); break;
-    case 4: int4_block_tile<4>(a, b, m); break;
-    case 3: int4_block_tile<3>(a, b, m); break;
-    case 2: int4_block_tile<2>(a, b, m); break;
-    case 1: int4_block_tile<1>(a, b, m); break;
-    default: break;
-  }
+  for_row_tiles<kMmTile>(a.s.rows_x, [&](auto rows, int64_t m) { int4_block_tile<decltype(rows)::value>(a, b, m); });
 }
 #endif
 
@@ -253,14 +260,9 @@ void int8_rows_avx512(const int8_t* w, const T* scales, const float* x, const In
                       int64_t n1) {
   for (int64_t n = n0; n < n1; n += kRowBlock) {
     const int64_t count = std::min(kRowBlock, n1 - n);
-    int64_t m = 0;
-    for (; m + kMaxTile <= s.rows_x; m += kMaxTile) int8_block_tile<T, kMaxTile>(w, scales, x, s, y, n, count, m);
-    switch (s.rows_x - m) {
-      case 3: int8_block_tile<T, 3>(w, scales, x, s, y, n, count, m); break;
-      case 2: int8_block_tile<T, 2>(w, scales, x, s, y, n, count, m); break;
-      case 1: int8_block_tile<T, 1>(w, scales, x, s, y, n, count, m); break;
-      default: break;
-    }
+    for_row_tiles<kMaxTile>(s.rows_x, [&](auto rows, int64_t m) {
+      int8_block_tile<T, decltype(rows)::value>(w, scales, x, s, y, n, count, m);
+    });
   }
 }
 #endif
@@ -340,18 +342,7 @@ void int8_block_mm_tile(const Int8BlockArgs& a, int64_t b, int64_t m0) {
 }
 
 void int8_block_avx512(const Int8BlockArgs& a, int64_t b) {
-  int64_t m = 0;
-  for (; m + 8 <= a.rows_x; m += 8) int8_block_mm_tile<8>(a, b, m);
-  switch (a.rows_x - m) {
-    case 7: int8_block_mm_tile<7>(a, b, m); break;
-    case 6: int8_block_mm_tile<6>(a, b, m); break;
-    case 5: int8_block_mm_tile<5>(a, b, m); break;
-    case 4: int8_block_mm_tile<4>(a, b, m); break;
-    case 3: int8_block_mm_tile<3>(a, b, m); break;
-    case 2: int8_block_mm_tile<2>(a, b, m); break;
-    case 1: int8_block_mm_tile<1>(a, b, m); break;
-    default: break;
-  }
+  for_row_tiles<kMmTile>(a.rows_x, [&](auto rows, int64_t m) { int8_block_mm_tile<decltype(rows)::value>(a, b, m); });
 }
 #endif
 
