@@ -45,6 +45,7 @@ class Registration:
         self._on_reregistered = on_reregistered
         self._on_policy = on_policy
         self._task: asyncio.Task | None = None
+        self._rejoin: asyncio.Task | None = None  # on_reregistered, running beside the heartbeats
         self.interval_s = _DEFAULT_INTERVAL_S
         self.response: scheduler_pb2.RegisterWorkerResponse | None = None
 
@@ -88,9 +89,10 @@ class Registration:
         self._task = asyncio.create_task(self._heartbeats(), name="heartbeats")
 
     async def stop(self, deregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._rejoin):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if deregister:
             request = scheduler_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
             try:
@@ -118,7 +120,7 @@ class Registration:
             failing = False
 
     async def heartbeat(self) -> bool:
-        """One heartbeat; registers again (and runs on_reregistered) when the scheduler forgot us."""
+        """One heartbeat; registers again when the scheduler forgot us, and starts on_reregistered."""
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
         response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
@@ -129,5 +131,20 @@ class Registration:
         log.warning("the scheduler no longer knows %s; registering again", self.worker_id)
         response = await self._register_once()
         if self._on_reregistered is not None:
-            await self._on_reregistered(response)
+            self._rejoin = asyncio.create_task(self._rejoined(self._rejoin, self._on_reregistered, response),
+                                               name="rejoin")
         return False
+
+    @staticmethod
+    async def _rejoined(previous: asyncio.Task | None,
+                        on_reregistered: Callable[[scheduler_pb2.RegisterWorkerResponse], Awaitable[None]],
+                        response: scheduler_pb2.RegisterWorkerResponse) -> None:
+        """Runs on_reregistered after any earlier run, beside the heartbeats: it may wait on the engine
+        (aborting requests, resending the prefix cache) longer than a heartbeat TTL, and heartbeats held
+        that long let the fresh registration lapse."""
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            await on_reregistered(response)
+        except Exception:
+            log.exception("taking up the scheduler's fresh registration failed")
