@@ -76,7 +76,7 @@ class WorkerInfo:
     device: str = "cpu"
     catalogue: tuple[str, ...] = ()  # every model it may serve; empty: `model` alone
     model_memory_bytes: int = 0
-    local_prefill: bool = False  # a decode worker that also serves Run (tandem decode --hybrid)
+    local_prefill: bool = False  # a decode worker that also serves Assign (tandem decode --hybrid)
 
 
 @dataclass(frozen=True, slots=True)

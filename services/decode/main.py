@@ -1,6 +1,6 @@
 """`tandem decode`: a decode worker (see services/decode/servicer.py and services/worker/main_common.py).
 
-With --hybrid it also serves ColocatedService.Run on the same engine, so the scheduler may prefill a
+With --hybrid it also serves ColocatedService.Assign on the same engine, so the scheduler may prefill a
 request here instead of on a prefill worker (conditional disaggregation,
 services/scheduler/prefill_placement.py): that KV never moves. A hybrid worker registers with
 WorkerInfo.local_prefill and reports its prefix cache, since its cache hits now shorten prefills.
@@ -21,7 +21,7 @@ from tandem.v1 import common_pb2, kv_transfer_pb2_grpc, worker_pb2_grpc
 
 
 class HybridServicer(DecodeServicer, ColocatedServicer):
-    """A decode worker's services and Run, over one runtime. Abort (DecodeServicer's) ends either
+    """A decode worker's services and Assign, over one runtime. Abort (DecodeServicer's) ends either
     kind of request: a reservation or KV waiting for the engine, or a request the engine holds."""
 
 
@@ -53,7 +53,7 @@ HYBRID_SPEC = dataclasses.replace(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     main_common.add_arguments(parser, SPEC)
-    add_switch(parser, "--hybrid", help="also prefill requests the scheduler places here (ColocatedService.Run on "
+    add_switch(parser, "--hybrid", help="also prefill requests the scheduler places here (ColocatedService.Assign on "
                                         "this engine), beside the KV that prefill workers send")
 
 

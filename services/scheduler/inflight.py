@@ -51,8 +51,8 @@ class Placement:
     reserved_at: float = 0.0
     holders: dict[str, WorkerRecord] = field(default_factory=dict)
     prefill_task: asyncio.Task | None = None
-    landing: asyncio.Future | None = None  # the last Reserve or Run call (it may be in flight)
-    launched: bool = False  # Run or Prefill was sent: the attempt started on its workers
+    landing: asyncio.Future | None = None  # the last Reserve or assignment (it may be in flight)
+    launched: bool = False  # its assignment or Prefill was sent: the attempt started on its workers
 
     @property
     def attempt_id(self) -> str:

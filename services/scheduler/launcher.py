@@ -3,18 +3,20 @@
 Disaggregated: Reserve the prompt's KV blocks (and the first token's slot) on the best ranked
 decode worker that has room, then Prefill on the prefill worker, which returns after the KV
 transfer and repeats token 0. Colocated, or a hybrid decode worker that prefills the request
-itself (planner.py): Run, on the worker's ColocatedService, and Abort by its role's service. Every
-call carries the request's remaining deadline, its trace context and the internal token. A Reserve or Run still in flight when the request is
-cancelled completes anyway, and its Abort is sent after it, so no reservation outlives its request.
+itself (planner.py): a RunRequest on the worker's Assign stream (assign_stream.py: one long-lived
+call per worker, answered per request as a unary call would be), and Abort by its role's service. Every
+call and assignment carries the request's remaining deadline, its trace context and the internal
+token. A Reserve or assignment still in flight when the request is cancelled completes anyway, and
+its Abort is sent after it, so no reservation outlives its request.
 
-Every call is bounded: Reserve, Run, Release and Abort by the control timeout (the heartbeat TTL:
-a worker that cannot answer within it would be declared lost anyway), but a Reserve or Run on a
-worker that must load the request's model first (a cold start, which its heartbeats go on through)
-by a model load's timeout; all of them, and Prefill, by the request's deadline. A call whose
-channel is closed under it (its worker was lost) fails as UNAVAILABLE, like an unreachable worker;
-whatever fails, the request ends with a status, or, for a Prefill that found a worker unreachable,
-the attempt ends and the request may move on. Each call names the request by its current
-attempt's id (inflight.Placement).
+Every call is bounded: Reserve, an assignment, Release and Abort by the control timeout (the
+heartbeat TTL: a worker that cannot answer within it would be declared lost anyway), but a Reserve
+or assignment on a worker that must load the request's model first (a cold start, which its
+heartbeats go on through) by a model load's timeout; all of them, and Prefill, by the request's
+deadline. A call whose channel is closed under it, or an assignment whose stream broke (its worker
+was lost), fails as UNAVAILABLE, like an unreachable worker; whatever fails, the request ends with
+a status, or, for a Prefill that found a worker unreachable, the attempt ends and the request may
+move on. Each call names the request by its current attempt's id (inflight.Placement).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -36,7 +38,7 @@ from services.scheduler.model_placement import cold_start
 from services.scheduler.planner import RoutePlan
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import Score
-from services.scheduler.worker_clients import WorkerClients
+from services.scheduler.worker_clients import WorkerClients, trace_context
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ Deliver = Callable[[RequestState, Placement, str, scheduler_pb2.TokenEvent], Non
 
 class Launcher:
     """`spawn` runs a background task the dispatcher keeps track of; `control_timeout` bounds the
-    quick calls (Reserve, Run, Release, Abort); a decode worker that refuses a Reserve is marked
+    quick calls (Reserve, an assignment, Release, Abort); a decode worker that refuses a Reserve is marked
     full in `registry` until it reports again; `on_lost` ends an attempt whose Prefill found a
     worker unreachable (the dispatcher moves the request on, or fails it); `deliver` takes the
     events a PrefillResponse backs up, as if its worker had reported them."""
@@ -86,10 +88,12 @@ class Launcher:
                 continue
             worker = plan.workers[score.worker_id]
             placement.holders[score.worker_id] = worker
+            reserve = self.clients.decode(worker.info.address).Reserve
             try:
-                response = await self._landing(state, worker, "Reserve",
-                                               self.clients.decode(worker.info.address).Reserve, request,
-                                               self._bound(worker, placement.request.model))
+                response = await self._landing(
+                    state, worker, "Reserve",
+                    lambda timeout: reserve(request, timeout=timeout, metadata=self._metadata(state)),
+                    self._bound(worker, placement.request.model))
             except TandemError as error:
                 if grpc_status(error) in _REFUSED:
                     placement.holders.pop(score.worker_id, None)
@@ -118,15 +122,17 @@ class Launcher:
         placement.prefill_task = self._spawn(self._prefill(state, placement, block_ids))
 
     async def run(self, state: RequestState) -> None:
-        """Hand the request to its colocated (or hybrid decode) worker; returns once it is queued there."""
+        """Hand the request to its colocated (or hybrid decode) worker on its Assign stream; returns
+        once it is queued there."""
         placement = state.placement
         worker = placement.prefill
         assert worker is not None
         request = worker_pb2.RunRequest(request_id=placement.attempt_id, token_ids=placement.request.token_ids,
                                         sampling=_sampling(state), seed=state.seed,
                                         cache_salt=placement.request.cache_salt, lora=placement.request.lora,
-                                        model=placement.request.model)
-        await self._landing(state, worker, "Run", self.clients.colocated(worker.info.address).Run, request,
+                                        model=placement.request.model, trace_context=trace_context(state.span))
+        stream = self.clients.assign(worker.info.address)
+        await self._landing(state, worker, "Assign", lambda timeout: stream.run(request, timeout),
                             self._bound(worker, placement.request.model))
 
     def release(self, state: RequestState) -> None:
@@ -191,7 +197,7 @@ class Launcher:
 
     async def _abort_holders(self, state: RequestState, placement: Placement, reason: str) -> None:
         if placement.landing is not None:
-            await asyncio.wait([placement.landing])  # abort after a Reserve or Run in flight lands, not before
+            await asyncio.wait([placement.landing])  # abort after a Reserve or assignment in flight lands, not before
         request = common_pb2.AbortRequest(request_ids=[placement.attempt_id], reason=reason)
         metadata = self._metadata(state)
         await asyncio.gather(*(
@@ -208,19 +214,18 @@ class Launcher:
         return self.clients.metadata(state.span)
 
     def _bound(self, worker: WorkerRecord, model: str) -> float:
-        """How long a Reserve or Run may take on the worker: the control timeout, or a model load's
+        """How long a Reserve or assignment may take on the worker: the control timeout, or a model load's
         when the worker has no copy of the model resident (a cold start: the call waits for the load)."""
         return LOAD_TIMEOUT_S if cold_start(worker, model) else self._control_timeout
 
     async def _landing(self, state: RequestState, worker: WorkerRecord, call: str,
-                       method: Callable[..., Any], request: Any, bound: float) -> Any:
-        """Make a call that creates state on a worker (Reserve, Run) so that, if the request is
-        cancelled meanwhile, the call still completes and the Abort can wait for it. It takes at most
-        `bound` seconds, or the request's deadline if that comes first. Its failure raises the
-        request's TandemError."""
+                       start: Callable[[float], Awaitable[Any]], bound: float) -> Any:
+        """Make a call that creates state on a worker (Reserve, an assignment) so that, if the request
+        is cancelled meanwhile, the call still completes and the Abort can wait for it. `start(timeout)`
+        makes it; it takes at most `bound` seconds, or the request's deadline if that comes first. Its
+        failure raises the request's TandemError."""
         timeout = state.deadline.timeout(bound)
-        landing = state.placement.landing = asyncio.ensure_future(
-            method(request, timeout=timeout, metadata=self._metadata(state)))
+        landing = state.placement.landing = asyncio.ensure_future(start(timeout))
         landing.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if unawaited
         try:
             return await asyncio.shield(landing)

@@ -64,6 +64,9 @@ class Membership:
     async def deregistered(self, worker_id: str) -> None:
         """A worker leaving gracefully: no new requests; the ones it holds may finish until its stream ends."""
         self._draining.add(worker_id)
+        address = next((r.info.address for r in self.registry.snapshot() if r.info.worker_id == worker_id), None)
+        if address is not None:
+            self._clients.leaving(address)
         self.registry.forget(worker_id)
         await self.registry.unregister(worker_id)
 

@@ -32,7 +32,7 @@ RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, t
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     """Candidates best first: prefill (or colocated) and decode (empty when colocated). `colocated`:
-    one worker prefills and generates (Run): a colocated worker, or a hybrid decode worker that
+    one worker prefills and generates (an assignment): a colocated worker, or a hybrid decode worker that
     prefills locally, the only prefill candidate then. `placement`: the local-or-remote decision
     when a hybrid decode worker was the choice (prefill_placement.py)."""
 
@@ -157,7 +157,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
 def _place_prefill(plan: RoutePlan, placement: PrefillPlacement, loads: WorkerLoads, matched: dict[str, int],
                    prompt_tokens: int) -> RoutePlan:
     """Where a disaggregated request prefills. The best ranked decode worker (with no prefill worker,
-    the best that can prefill) decides when it is hybrid: locally, it is the one worker of a Run
+    the best that can prefill) decides when it is hybrid: locally, it is the one worker of an assignment
     (its decode candidates kept for the record); remotely, the plan as it was. Otherwise the plan as it was."""
     capable = [s for s in plan.decode if plan.workers[s.worker_id].info.local_prefill]
     target = plan.decode[0] if plan.prefill else capable[0]

@@ -136,7 +136,7 @@ class RoleSpec:
     make_servicer: Callable[[WorkerConfig, ChannelPool, asyncio.Future[WorkerRuntime]], WorkerServicerBase]
     services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
     report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
-    local_prefill: bool = False  # a decode worker that also serves Run (WorkerInfo.local_prefill)
+    local_prefill: bool = False  # a decode worker that also serves Assign (WorkerInfo.local_prefill)
     max_receive_bytes: int = CONTROL_MESSAGE_BYTES  # MAX_MESSAGE_BYTES where KV chunks arrive
 
 

@@ -71,7 +71,7 @@ class WorkerIdentity:
     address: str  # advertised HOST:PORT
     model: str  # the primary model: loaded at start, what a request naming no model runs under
     device: str
-    local_prefill: bool = False  # a decode worker that also serves Run (WorkerInfo.local_prefill)
+    local_prefill: bool = False  # a decode worker that also serves Assign (WorkerInfo.local_prefill)
 
 
 class WorkerRuntime:

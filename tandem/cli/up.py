@@ -405,7 +405,7 @@ class LocalSystem:
 
 
 def role_flags(mode: str, role: str) -> list[str]:
-    """What a mode adds to one role's flags: in hybrid mode a decode worker also serves Run, so the
+    """What a mode adds to one role's flags: in hybrid mode a decode worker also serves Assign, so the
     scheduler may prefill a request there (services/scheduler/prefill_placement.py)."""
     return ["--hybrid"] if mode == "hybrid" and role == "decode" else []
 

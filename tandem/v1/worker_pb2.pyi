@@ -187,7 +187,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released_blocks: _Optional[int] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "lora", "model")
+    __slots__ = ("request_id", "token_ids", "sampling", "seed", "cache_salt", "lora", "model", "call_id", "timeout_ms", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +202,9 @@ class RunRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -202,15 +212,24 @@ class RunRequest(_message.Message):
     cache_salt: str
     lora: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    call_id: int
+    timeout_ms: int
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., call_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
-class RunResponse(_message.Message):
-    __slots__ = ("request_id", "queue_position")
+class RunResult(_message.Message):
+    __slots__ = ("call_id", "request_id", "queue_position", "status", "retry_after_s")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
     request_id: str
     queue_position: int
-    def __init__(self, request_id: _Optional[str] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    status: _common_pb2.RequestError
+    retry_after_s: float
+    def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStatsRequest(_message.Message):
     __slots__ = ()

@@ -644,10 +644,10 @@ class ColocatedServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Run = channel.unary_unary(
-                '/tandem.v1.ColocatedService/Run',
+        self.Assign = channel.stream_stream(
+                '/tandem.v1.ColocatedService/Assign',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.RunRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.RunResponse.FromString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.RunResult.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.ColocatedService/Abort',
@@ -666,9 +666,17 @@ class ColocatedServiceServicer:
     The baseline disaggregation is measured against.
     """
 
-    def Run(self, request, context):
-        """Admits one request; all its tokens, the first included, follow on its
-        token stream (TokenStreamService). Returns once the request is queued.
+    def Assign(self, request_iterator, context):
+        """Scheduler -> worker: one long-lived stream per scheduler and worker that
+        admits many requests, each as a unary call would: every RunRequest is
+        answered by one RunResult naming its call_id, once the request is queued
+        or refused (answers may come in any order). All its tokens, the first
+        included, follow on its token stream (TokenStreamService). A refusal
+        carries the status a call would end with: INVALID_ARGUMENT (a bad request),
+        NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION (see RunRequest.model),
+        DEADLINE_EXCEEDED (not queued within timeout_ms). When the stream breaks,
+        every request still unanswered on it fails with the stream's status (the
+        scheduler opens a new one); a request answered before stays queued.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -691,10 +699,10 @@ class ColocatedServiceServicer:
 
 def add_ColocatedServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Run': grpc.unary_unary_rpc_method_handler(
-                    servicer.Run,
+            'Assign': grpc.stream_stream_rpc_method_handler(
+                    servicer.Assign,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.RunRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.RunResponse.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.RunResult.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -720,7 +728,7 @@ class ColocatedService:
     """
 
     @staticmethod
-    def Run(request,
+    def Assign(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -730,12 +738,12 @@ class ColocatedService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/tandem.v1.ColocatedService/Run',
+            '/tandem.v1.ColocatedService/Assign',
             tandem_dot_v1_dot_worker__pb2.RunRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.RunResponse.FromString,
+            tandem_dot_v1_dot_worker__pb2.RunResult.FromString,
             options,
             channel_credentials,
             insecure,

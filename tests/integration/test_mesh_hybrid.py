@@ -1,4 +1,4 @@
-"""`tandem up --mode hybrid` as real processes: the decode worker also serves Run, and the scheduler
+"""`tandem up --mode hybrid` as real processes: the decode worker also serves Assign, and the scheduler
 prefills a short prompt there (no KV transfer) and a long one on the prefill worker (KV transfer),
 both token-exact against HF greedy; the decision is on the route span and in the scheduler's
 /metrics. Without a step-cost model yet, the prompt-length rule decides (--local-prefill-tokens 32)."""

@@ -20,6 +20,7 @@ import pytest
 
 from services.common.spans import Attr, SpanName
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, worker_pb2, worker_pb2_grpc
+from tests.assign import assign
 from tests.hf_reference import Reference, assert_matches, reference_outputs
 from tests.integration.test_workers import (
     Scheduler,
@@ -65,7 +66,7 @@ class Shared:
         self.recorder.read(self.worker, rid)
         sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **fields)
         request = worker_pb2.RunRequest(request_id=rid, token_ids=prompt, model=model, seed=7, sampling=sampling)
-        worker_pb2_grpc.ColocatedServiceStub(self.worker.channel).Run(request, timeout=120)
+        assign(self.worker.channel, request, timeout=120)
         return tokens_of(self.recorder.stream(rid, timeout=120))
 
     def models(self) -> worker_pb2_grpc.ModelServiceStub:

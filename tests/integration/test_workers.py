@@ -26,6 +26,7 @@ from services.common.block_hash import hash_chain
 from services.common.health_cli import check, wait_until_serving
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.assign import assign
 from tests.hf_reference import LONG_PREFIX, MAX_NEW_TOKENS, assert_matches
 from tests.waiting import wait_until
 
@@ -624,12 +625,11 @@ def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
 
 
 def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
-    stub = worker_pb2_grpc.ColocatedServiceStub(mesh.colocated.channel)
     picked = [0, 2, 5]
     for i in picked:
         mesh.recorder.read(mesh.colocated, f"colocated-{i}")
-        stub.Run(worker_pb2.RunRequest(request_id=f"colocated-{i}", token_ids=parity_prompts[i],
-                                       sampling=sampling(), seed=3), timeout=10)
+    assign(mesh.colocated.channel, *(worker_pb2.RunRequest(request_id=f"colocated-{i}", token_ids=parity_prompts[i],
+                                                           sampling=sampling(), seed=3) for i in picked), timeout=10)
     for i in picked:
         events = mesh.recorder.stream(f"colocated-{i}")
         assert {e.worker_id for e in events} == {mesh.colocated.worker_id}
@@ -640,7 +640,8 @@ def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
     stats = wait_idle(mesh.colocated)
     assert stats.max_batch_size > 1 and stats.generated_tokens >= len(picked)
     with pytest.raises(grpc.RpcError) as bad:
-        stub.Run(worker_pb2.RunRequest(request_id="bad", token_ids=[1], sampling=sampling(top_p=0.0)), timeout=5)
+        assign(mesh.colocated.channel, worker_pb2.RunRequest(request_id="bad", token_ids=[1],
+                                                             sampling=sampling(top_p=0.0)), timeout=5)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad.value.details()
 
 

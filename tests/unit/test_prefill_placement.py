@@ -1,6 +1,6 @@
 """Conditional disaggregation: the local-or-remote decision from a decode worker's step-cost model and
 the ITL target (or the prompt-length rule without them), and the planner's exact plans with a hybrid
-decode worker: a one-worker Run plan when it prefills locally, the disaggregated plan otherwise."""
+decode worker: a one-worker assignment plan when it prefills locally, the disaggregated plan otherwise."""
 
 from __future__ import annotations
 

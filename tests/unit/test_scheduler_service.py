@@ -31,6 +31,7 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.colocated.assignments import serve_assignments
 from services.common.errors import Overloaded
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.health_cli import wait_until_serving
@@ -197,11 +198,16 @@ class FakeWorker:
     async def Stats(self, request: worker_pb2.WorkerStatsRequest, context) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(worker_id=self.worker_id)
 
-    async def Run(self, request: worker_pb2.RunRequest, context) -> worker_pb2.RunResponse:
-        self._record("Run", request, context)
-        self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0,
-                      done=generated(request.token_ids))
-        return worker_pb2.RunResponse(request_id=request.request_id)
+    async def Assign(self, requests: AsyncIterator[worker_pb2.RunRequest],
+                     context) -> AsyncIterator[worker_pb2.RunResult]:
+        async def run(request: worker_pb2.RunRequest) -> int:
+            self._record("Assign", request, context)
+            self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0,
+                          done=generated(request.token_ids))
+            return 0
+
+        async for result in serve_assignments(requests, run):
+            yield result
 
 
 @dataclass
@@ -381,7 +387,7 @@ async def test_colocated_workers_run_the_whole_request_with_a_drawn_or_given_see
         assert (placement.route.prefill_worker_id, placement.route.decode_worker_id) == ("c-0", "")
         assert (placement.generator_worker_id, placement.prefill_worker_id, placement.prefill_address) == ("c-0", "", "")
         await completes(mesh.submit("r2", max_tokens=2, seed=42))
-        drawn, given = mesh.workers["c-0"].called("Run")
+        drawn, given = mesh.workers["c-0"].called("Assign")
         assert drawn.seed > 0 and drawn.sampling.seed == drawn.seed
         assert given.seed == given.sampling.seed == 42
         assert mesh.workers["p-0"].calls == [] and mesh.workers["d-0"].calls == []
@@ -675,7 +681,7 @@ async def test_a_lost_colocated_workers_request_moves_on_to_another_colocated_wo
         await lost_after_kill(mesh.submit("r1", max_tokens=4), mesh.workers["c-0"])
         placement = await completes(continuation(mesh, "r1", [token(0)]))
         assert (placement.generator_worker_id, placement.prefill_address) == ("c-1", "")
-        (moved,) = mesh.workers["c-1"].called("Run")
+        (moved,) = mesh.workers["c-1"].called("Assign")
         assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)) + [token(0)])
         assert moved.sampling.max_tokens == 3
         assert (await mesh.idle()).migrated == 1

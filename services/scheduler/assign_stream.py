@@ -1,0 +1,115 @@
+"""The scheduler's Assign stream to one colocated (or hybrid decode) worker: many requests' admissions
+on one long-lived call (ColocatedService.Assign) instead of a unary call each.
+
+`run` numbers the request on the call (call_id), sends it, and waits for its RunResult within its
+timeout; it returns the result, or raises what a failed unary call would: an AioRpcError with the
+worker's status code, message and retry hint (trailing `retry-after`), DEADLINE_EXCEEDED when no
+answer came in time (that request alone fails; the call goes on), or the call's own status when it
+broke (every request still unanswered on it fails with it, UNAVAILABLE when it ended without one).
+The call is opened by the first request and again by the first one after it broke; `half_close`
+lets a worker that leaves end it once its answers are out, `close` cancels it. The call carries the
+internal token; each request carries its own timeout and trace context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.errors import retry_metadata
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1.errors import code_from_number
+
+
+class AssignStream:
+    """Call order: run()*, half_close() any time (the next run opens a new call), close() last."""
+
+    def __init__(self, stub: worker_pb2_grpc.ColocatedServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._call: _AssignCall | None = None
+
+    async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
+        """The request admitted on the worker within `timeout` seconds; an AioRpcError otherwise."""
+        if self._call is None or not self._call.open:
+            self._call = _AssignCall(self._stub, self._metadata)
+        return await self._call.run(request, timeout)
+
+    def half_close(self) -> None:
+        """No more requests on this call: the worker ends it once it answered those sent."""
+        if self._call is not None:
+            self._call.half_close()
+
+    def close(self) -> None:
+        """Cancel the call: the requests still unanswered on it fail as UNAVAILABLE."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class _AssignCall:
+    """One Assign call: the requests sent and not yet answered, by call_id, and its reader."""
+
+    def __init__(self, stub: worker_pb2_grpc.ColocatedServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.open = True  # takes new requests: not half-closed, not broken
+        self._pending: dict[int, asyncio.Future[worker_pb2.RunResult]] = {}
+        self._call_ids = itertools.count(1)
+        self._outgoing: asyncio.Queue[worker_pb2.RunRequest | None] = asyncio.Queue()
+        self._call = stub.Assign(self._sent(), metadata=metadata)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
+        call_id = request.call_id = next(self._call_ids)
+        request.timeout_ms = max(1, round(timeout * 1000))
+        answer = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        self._outgoing.put_nowait(request)
+        try:
+            result = await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"no answer on the Assign stream within {timeout:g} s") from None
+        finally:
+            self._pending.pop(call_id, None)
+        if result.status.code:
+            trailing = () if not result.HasField("retry_after_s") else retry_metadata(result.retry_after_s)
+            raise _status(code_from_number(result.status.code), result.status.message, trailing)
+        return result
+
+    def half_close(self) -> None:
+        if self.open:
+            self.open = False
+            self._outgoing.put_nowait(None)
+
+    def cancel(self) -> None:
+        self.open = False
+        self._call.cancel()
+
+    async def _sent(self) -> AsyncIterator[worker_pb2.RunRequest]:
+        while (request := await self._outgoing.get()) is not None:
+            if request.call_id in self._pending:  # else it timed out, or its caller left, before it went out
+                yield request
+
+    async def _read(self) -> None:
+        try:
+            async for result in self._call:
+                answer = self._pending.get(result.call_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(result)
+            error = _status(grpc.StatusCode.UNAVAILABLE, "the worker ended the Assign stream")
+        except grpc.aio.AioRpcError as failure:
+            error = failure
+        except asyncio.CancelledError:  # the call, or its channel, was closed: the worker was lost or left
+            error = _status(grpc.StatusCode.UNAVAILABLE, "the Assign stream was closed")
+        self.open = False
+        for answer in self._pending.values():
+            if not answer.done():
+                answer.set_exception(error)
+
+
+def _status(code: grpc.StatusCode, details: str,
+            trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
+    """A request's failure on the stream, as the error a failed call would raise."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
