@@ -87,7 +87,7 @@ class Generation:
         self._span = span
         self._metrics = metrics
         self._relay = Relay(request_id)
-        self._turn = upstream.first_turn()  # the scheduler it goes to, and its continuations
+        self._turn = upstream.first_turn(submit)  # the scheduler it goes to, and its continuations
         self._attempt: Attempt | None = None
         self._timings = timings
         self._closed = False

@@ -1,7 +1,7 @@
 """What the gateway calls upstream: its schedulers (one or more, `--scheduler a,b`) and the workers
 they place requests on, whose token streams it reads.
 
-Requests are spread over the schedulers in turn; each keeps its own requests (their queue,
+Requests go to schedulers by their leading prefix (replica_choice.py); each keeps its own requests (their queue,
 reservations and accounting), so a request stays with the scheduler that placed it, its
 continuations included, unless that one cannot be reached. A call that found its scheduler's
 channel without a connection never reached it, and may go to the next one; a call that reached
@@ -13,7 +13,6 @@ messages of at least that many tokens (fewer messages to read and chunks to send
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +20,8 @@ import grpc
 
 from services.common.channels import internal_channel
 from services.gateway.follow import FollowedStream, WorkerFollow
-from tandem.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.gateway.replica_choice import ReplicaChoice, prefix_key
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +35,14 @@ class SchedulerLink:
         """False while the channel has no connection (a failed call did not reach the scheduler)."""
         return self.channel.get_state() == grpc.ChannelConnectivity.READY
 
+    def failing(self) -> bool:
+        """True while the channel's last attempt to connect failed (the scheduler is down or restarting)."""
+        return self.channel.get_state() in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                                            grpc.ChannelConnectivity.SHUTDOWN)
+
 
 class Upstream:
-    """Call order: first_turn() per request, scheduler(turn) for each Submit (turn + 1 after one
+    """Call order: first_turn(request) per request, scheduler(turn) for each Submit (turn + 1 after one
     that could not reach its scheduler), stream() for the workers' tokens; close() last."""
 
     def __init__(self, schedulers: Sequence[grpc.aio.Channel],
@@ -48,7 +53,7 @@ class Upstream:
             raise ValueError(f"stream_interval is {stream_interval}; give 1 (each token as it comes) or more")
         self.stream_interval = stream_interval
         self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
-        self._turns = itertools.count()
+        self._choice = ReplicaChoice(len(self._schedulers))
         self._open_channel = open_channel
         self._workers: dict[str, tuple[grpc.aio.Channel, WorkerFollow]] = {}
 
@@ -56,9 +61,11 @@ class Upstream:
     def num_schedulers(self) -> int:
         return len(self._schedulers)
 
-    def first_turn(self) -> int:
-        """Where a new request starts: the schedulers in turn."""
-        return next(self._turns)
+    def first_turn(self, request: scheduler_pb2.SubmitRequest) -> int:
+        """Where a new request starts: the replica its leading prefix hashes to, within the bound on
+        its load, passing over those whose channel is failing (replica_choice.py)."""
+        key = prefix_key(request.model, request.cache_salt, request.lora, request.token_ids)
+        return self._choice.choose(key, lambda replica: not self._schedulers[replica].failing())
 
     def scheduler(self, turn: int) -> SchedulerLink:
         return self._schedulers[turn % len(self._schedulers)]

@@ -1,4 +1,5 @@
-"""The gateway over several schedulers (`--scheduler a,b`): requests go to them in turn; a Submit
+"""The gateway over several schedulers (`--scheduler a,b`): requests go to them by their leading
+prefix (replica_choice.py: one prompt family to one scheduler); a Submit
 that cannot reach its scheduler before placement goes to the next one, and, while none can be
 reached, round after round until the deadline (a scheduler restarting loses no request that has
 not started); a scheduler's own refusal is final."""
@@ -81,13 +82,13 @@ async def tokens(stub: gateway_pb2_grpc.GenerateServiceStub, request_id: str, ti
     return [t async for r in stub.Generate(request, timeout=timeout) for t in r.token_ids]
 
 
-async def test_requests_go_to_the_schedulers_in_turn(default_model_dir) -> None:
+async def test_requests_of_one_prompt_go_to_one_scheduler(default_model_dir) -> None:
     (a, a_server), (b, b_server) = await start_scheduler(), await start_scheduler()
     try:
         async with gateway(default_model_dir, a_server.port, b_server.port) as stub:
             for i in range(4):
                 assert await tokens(stub, f"r{i}") == REPLY
-        assert (a.submits, b.submits) == (["r0", "r2"], ["r1", "r3"])
+        assert sorted([a.submits, b.submits], key=len) == [[], ["r0", "r1", "r2", "r3"]]
     finally:
         await a_server.stop(0)
         await b_server.stop(0)
@@ -121,14 +122,14 @@ async def test_a_request_sent_while_the_only_scheduler_restarts_waits_for_it(def
 
 async def test_a_schedulers_own_refusal_is_final(default_model_dir) -> None:
     (a, a_server), (b, b_server) = await start_scheduler(), await start_scheduler()
-    a.refuse = Unavailable("no live decode worker serves model 'x'")
+    a.refuse = b.refuse = Unavailable("no live decode worker serves model 'x'")
     try:
         async with gateway(default_model_dir, a_server.port, b_server.port) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await tokens(stub, "refused")
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert error.value.details() == f"{client_errors.NO_WORKER} (request refused)"  # the scheduler answered
-        assert (a.submits, b.submits) == (["refused"], [])
+        assert sorted([a.submits, b.submits], key=len) == [[], ["refused"]]  # the other was not asked
     finally:
         await a_server.stop(0)
         await b_server.stop(0)
