@@ -17,7 +17,7 @@ worker's block events take into the store, Redis or embedded), then sends `--req
     start of the worker's request span (the placement reached the worker), from the span files;
   - the client's p99 time to first token, for scale.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
-  - the prefix hit rate: routed requests with a prefix hit, from each replica's recent routes.
+  - the prefix hit rate: the run's routes with a prefix hit, from every replica's spans.
 `--schedulers 1,2,4` runs each point with that many replicas (Redis only: they share the registry,
 the prefix index and the load view through it); the scheduler CPU is every replica's together.
 
@@ -50,11 +50,10 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from services.common.spans import SpanName, load_span_files  # noqa: E402
+from services.common.spans import Attr, SpanName, load_span_files  # noqa: E402
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.redis_fixture import RedisServer  # noqa: E402
 from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
-from services.scheduler.stats import RECENT_ROUTES  # noqa: E402
 
 WORKER_SPANS = (SpanName.COLOCATED, SpanName.PREFILL)  # where a placement lands
 INDEX_BATCH = 2_000  # synthetic block hashes per ReportBlocks (a Redis pipeline well inside its 1 s timeout, loaded)
@@ -100,7 +99,7 @@ class Result:
     routing_p50_ms: float
     routing_p99_ms: float
     ttft_p99_ms: float
-    prefix_hit_rate: float  # routed requests with a prefix hit, over each replica's last RECENT_ROUTES routes
+    prefix_hit_rate: float  # the run's routes with a prefix hit (every route, whatever the replicas)
     routes_sampled: int
     index_fill_s: float
     loadavg_before: str
@@ -219,7 +218,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
-    hits, routed = prefix_hits(cluster, set(outcome.request_ids))
+    hits, routed = prefix_hits(cluster.run_dir, set(outcome.request_ids))
     routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
     tokens = max(outcome.tokens, 1)
     ok = args.requests - sum(outcome.failures.values())
@@ -276,18 +275,19 @@ def profiling(directory: Path | None, point: Point, pids: dict[str, int]) -> Ite
             spy.wait(timeout=60)
 
 
-def prefix_hits(cluster: SimCluster, request_ids: set[str]) -> tuple[int, int]:
-    """(routes with a prefix hit, routes) of the run's requests, over every replica's recent routes."""
+def prefix_hits(run_dir: Path, request_ids: set[str]) -> tuple[int, int]:
+    """(routes with a prefix hit, routes) of the run's requests, from every replica's scheduler.submit
+    spans (the chosen prefill worker's cached blocks among the route's scores): every route of the
+    run, whatever the number of replicas. (A replica's Stats keep only its last RECENT_ROUTES routes:
+    one replica's held the run's last 256, four replicas' all of it.)"""
     hits = routed = 0
-    for address in cluster.schedulers:
-        with grpc.insecure_channel(address) as channel:
-            stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(
-                scheduler_pb2.SchedulerStatsRequest(recent_routes=RECENT_ROUTES), timeout=30,
-                metadata=cluster.metadata)
-        for route in stats.recent_routes:
-            if route.request_id in request_ids:
-                routed += 1
-                hits += route.matched_prefix_blocks > 0
+    for span in load_span_files(run_dir).spans:
+        chosen = span.attributes.get(Attr.ROUTE_PREFILL_WORKER)
+        if span.name != SpanName.SCHEDULER_SUBMIT or chosen is None or span.request_id not in request_ids:
+            continue
+        scores = json.loads(span.attributes.get(Attr.ROUTE_SCORES, "{}"))
+        routed += 1
+        hits += scores.get(chosen, {}).get("cached_blocks", 0) > 0
     return hits, routed
 
 
