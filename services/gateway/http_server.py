@@ -1,6 +1,7 @@
 """uvicorn embedded in the gateway's event loop: the HTTP app served on a socket the gateway binds
 (HTTPS when given a certificate), with no signal handlers of its own (the gateway's main owns
-SIGTERM/SIGINT), stopped gracefully.
+SIGTERM/SIGINT), stopped gracefully. It parses and frames HTTP with httptools (C), not h11: at one
+token per SSE event, the server's own work to write each event is a third of the stream's cost.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ async def start_http(app: FastAPI, host: str, port: int, grace: float = 5.0,
     except OSError as exc:
         raise OSError(f"cannot listen on {host}:{port} for HTTP: {exc}; is another process using the port?") from exc
     certificate = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)} if tls else {}
-    config = uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=grace,
-                            **certificate)
+    config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning",
+                            timeout_graceful_shutdown=grace, **certificate)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
