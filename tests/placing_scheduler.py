@@ -1,7 +1,8 @@
 """A stand-in scheduler for the gateway's tests that places every request on itself: a subclass
 writes `events(request, context)`, the request's token events as a worker streams them (raising a
 TandemError fails the request); Submit answers with a Placement on this same server, whose
-TokenStreamService.Follow streams those events. A failure before the first event is Submit's
+TokenStreamService.Follow streams those events (Submissions serves each of its submissions with
+Submit, as the real scheduler does). A failure before the first event is Submit's
 status; one after it ends the Submit call with that status, as the real scheduler's would."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 
 from services.common.errors import TandemError
 from services.common.grpc_server import GrpcServer, create_server
+from services.scheduler import submissions
 from services.worker.token_streams import follow_many
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -49,6 +51,9 @@ class PlacingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer, worker_pb2_g
         error = await ended
         if error is not None:
             raise error
+
+    def Submissions(self, request_iterator, context) -> AsyncIterator[scheduler_pb2.SubmitUpdates]:
+        return submissions.serve(self.Submit, request_iterator, context)
 
     async def Follow(self, request_iterator, context) -> AsyncIterator[worker_pb2.FollowBatch]:
         async for batch in follow_many(request_iterator, lambda request_id, min_tokens: self._follow(request_id)):

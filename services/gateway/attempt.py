@@ -37,6 +37,7 @@ import grpc
 from services.common.errors import TandemError, Unavailable, error_from_rpc
 from services.gateway.follow import FollowedStream
 from services.gateway.relay import Relay
+from services.gateway.submissions import SubmitCall
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ OpenStream = Callable[[str, worker_pb2.StreamRequest], FollowedStream]
 class Attempt:
     """Call order: start() once its Placement is read -> close() (idempotent)."""
 
-    def __init__(self, submit: grpc.aio.UnaryStreamCall, placement: scheduler_pb2.Placement, relay: Relay) -> None:
+    def __init__(self, submit: SubmitCall, placement: scheduler_pb2.Placement, relay: Relay) -> None:
         self.submit = submit
         self.placement = placement
         self._relay = relay

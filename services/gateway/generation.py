@@ -138,7 +138,7 @@ class Generation:
         backoff, unreached = _RETRY_START_S, 0
         while True:
             scheduler = self._upstream.scheduler(self._turn)
-            call = scheduler.stub.Submit(self._submit, timeout=self._remaining(), metadata=self._metadata)
+            call = scheduler.submit(self._submit, timeout=self._remaining(), metadata=self._metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:

@@ -1,7 +1,8 @@
 """What the gateway calls upstream: its schedulers (one or more, `--scheduler a,b`) and the workers
 they place requests on, whose token streams it reads.
 
-Requests go to schedulers by their leading prefix (replica_choice.py); each keeps its own requests (their queue,
+Requests go to schedulers by their leading prefix (replica_choice.py), each request on its scheduler's one Submissions
+stream (submissions.py); each scheduler keeps its own requests (their queue,
 reservations and accounting), so a request stays with the scheduler that placed it, its
 continuations included, unless that one cannot be reached. A call that found its scheduler's
 channel without a connection never reached it, and may go to the next one; a call that reached
@@ -21,15 +22,28 @@ import grpc
 from services.common.channels import internal_channel
 from services.gateway.follow import FollowedStream, WorkerFollow
 from services.gateway.replica_choice import ReplicaChoice, prefix_key
+from services.gateway.submissions import SchedulerSubmissions, SubmitCall
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerLink:
-    """One scheduler: its stub, and the channel that says whether a call could reach it."""
+    """One scheduler: its stub, the stream its requests ride, and the channel that says whether a
+    call could reach it."""
 
     stub: scheduler_pb2_grpc.SchedulerServiceStub
     channel: grpc.aio.Channel
+    submissions: SchedulerSubmissions
+
+    @classmethod
+    def over(cls, channel: grpc.aio.Channel) -> SchedulerLink:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        return cls(stub, channel, SchedulerSubmissions(stub))
+
+    def submit(self, request: scheduler_pb2.SubmitRequest, *, timeout: float | None,
+               metadata: Sequence[tuple[str, str]]) -> SubmitCall:
+        """Submit the request on the scheduler's Submissions stream; read it as its Submit call."""
+        return self.submissions.submit(request, timeout=timeout, metadata=metadata)
 
     def reachable(self) -> bool:
         """False while the channel has no connection (a failed call did not reach the scheduler)."""
@@ -52,7 +66,7 @@ class Upstream:
         if stream_interval < 1:
             raise ValueError(f"stream_interval is {stream_interval}; give 1 (each token as it comes) or more")
         self.stream_interval = stream_interval
-        self._schedulers = [SchedulerLink(scheduler_pb2_grpc.SchedulerServiceStub(c), c) for c in schedulers]
+        self._schedulers = [SchedulerLink.over(c) for c in schedulers]
         self._choice = ReplicaChoice(len(self._schedulers))
         self._open_channel = open_channel
         self._workers: dict[str, tuple[grpc.aio.Channel, WorkerFollow]] = {}
@@ -81,7 +95,10 @@ class Upstream:
         return self._workers[address][1].attach(request, metadata)
 
     async def close(self) -> None:
-        """Close the channels it opened to workers (the schedulers' are the caller's)."""
+        """End the Submissions streams, and close the channels it opened to workers (the schedulers'
+        are the caller's)."""
+        for scheduler in self._schedulers:
+            scheduler.submissions.close()
         for channel, follow in self._workers.values():
             follow.close()
             await channel.close()

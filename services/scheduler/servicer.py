@@ -12,10 +12,11 @@ from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
 from services.common.step_cost import StepCost
 from services.common.store import WorkerRole
-from services.scheduler import migration
+from services.scheduler import migration, submissions
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.model_loads import ModelLoads
+from services.scheduler.submissions import SubmissionCall
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.SchedulerService"
@@ -35,6 +36,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def Submit(self, request: scheduler_pb2.SubmitRequest,
                context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        return self._submit(request, context)
+
+    def Submissions(self, request_iterator: AsyncIterator[scheduler_pb2.SubmitCommands],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitUpdates]:
+        return submissions.serve(self._submit, request_iterator, context)
+
+    def _submit(self, request: scheduler_pb2.SubmitRequest,
+                context: grpc.aio.ServicerContext | SubmissionCall) -> AsyncIterator[scheduler_pb2.SubmitEvent]:
+        """One request, on its own Submit call or on a Submissions stream."""
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if not request.token_ids:

@@ -63,6 +63,63 @@ class SubmitEvent(_message.Message):
     lost: AttemptLost
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., lost: _Optional[_Union[AttemptLost, _Mapping]] = ...) -> None: ...
 
+class SubmitCommands(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[SubmitCommand]
+    def __init__(self, commands: _Optional[_Iterable[_Union[SubmitCommand, _Mapping]]] = ...) -> None: ...
+
+class SubmitCommand(_message.Message):
+    __slots__ = ("call_id", "submit", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    submit: Submission
+    cancel: bool
+    def __init__(self, call_id: _Optional[int] = ..., submit: _Optional[_Union[Submission, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class Submission(_message.Message):
+    __slots__ = ("request", "timeout_ms", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request: SubmitRequest
+    timeout_ms: int
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[SubmitRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SubmitUpdates(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SubmitUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SubmitUpdate, _Mapping]]] = ...) -> None: ...
+
+class SubmitUpdate(_message.Message):
+    __slots__ = ("call_id", "event", "end")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    event: SubmitEvent
+    end: SubmitEnd
+    def __init__(self, call_id: _Optional[int] = ..., event: _Optional[_Union[SubmitEvent, _Mapping]] = ..., end: _Optional[_Union[SubmitEnd, _Mapping]] = ...) -> None: ...
+
+class SubmitEnd(_message.Message):
+    __slots__ = ("status", "retry_after_s")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.RequestError
+    retry_after_s: float
+    def __init__(self, status: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
 class Placement(_message.Message):
     __slots__ = ("attempt_id", "generator_worker_id", "generator_address", "prefill_worker_id", "prefill_address", "route", "queue_ms", "seed")
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -43,6 +43,11 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
                 _registered_method=True)
+        self.Submissions = channel.stream_stream(
+                '/tandem.v1.SchedulerService/Submissions',
+                request_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitCommands.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitUpdates.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.SchedulerService/Abort',
                 request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -100,6 +105,21 @@ class SchedulerServiceServicer:
         waiting queue is full; UNAVAILABLE when no worker can serve it, or a
         continuation cannot move (migration off, penalties, too many moves).
         Cancelling the call aborts the request on whichever worker holds it.
+        The gateway uses Submissions; Submit serves one request with the same code.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submissions(self, request_iterator, context):
+        """Gateway -> scheduler: one long-lived stream per gateway and scheduler
+        carrying many requests, each as a Submit call would: a submission (with its
+        own timeout and trace context) or a cancel each way in, and back, by call
+        id, the events a Submit call would send (Placement, AttemptLost) and its
+        end (the status it would end with). A message carries every command or
+        update ready at once. When the stream ends or breaks, every request on it
+        ends as if its Submit call had been cancelled (scheduler) or had broken
+        with the stream's status (gateway); the gateway opens a new one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +202,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.SerializeToString,
             ),
+            'Submissions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Submissions,
+                    request_deserializer=tandem_dot_v1_dot_scheduler__pb2.SubmitCommands.FromString,
+                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.SubmitUpdates.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.AbortRequest.FromString,
@@ -253,6 +278,33 @@ class SchedulerService:
             '/tandem.v1.SchedulerService/Submit',
             tandem_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             tandem_dot_v1_dot_scheduler__pb2.SubmitEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submissions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.SchedulerService/Submissions',
+            tandem_dot_v1_dot_scheduler__pb2.SubmitCommands.SerializeToString,
+            tandem_dot_v1_dot_scheduler__pb2.SubmitUpdates.FromString,
             options,
             channel_credentials,
             insecure,
