@@ -7,7 +7,8 @@ call's context (its metadata is the stream's plus the submission's trace context
 submission's timeout, its done callbacks run when the task ends). Its events, then its end (the
 status the Submit call would end with), go back in order on the stream, several to a message when
 ready together. A cancel cancels the task, as cancelling a Submit call does, and sends nothing back.
-When the stream ends or breaks, every task still running is cancelled the same way.
+When the stream breaks, every task still running is cancelled the same way; when the gateway
+half-closes it, they run to their ends, and then the stream ends.
 """
 
 from __future__ import annotations
@@ -86,14 +87,18 @@ class SubmissionStream:
                 task.cancel()
 
     async def _read(self, commands: AsyncIterator[scheduler_pb2.SubmitCommands]) -> None:
+        """Apply the commands until the gateway half-closes (what runs goes on to its end) or the
+        stream breaks (what runs is cancelled, as each Submit call would be)."""
         try:
             async for message in commands:
                 for command in message.commands:
                     self._apply(command)
+        except BaseException:
+            for task in list(self._running.values()):
+                task.cancel()
+            raise
         finally:
             self._reading = False
-            for task in list(self._running.values()):
-                task.cancel()  # the gateway is gone or done: as if each Submit call were cancelled
             self._wake.set()
 
     def _apply(self, command: scheduler_pb2.SubmitCommand) -> None:

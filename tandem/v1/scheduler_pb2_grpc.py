@@ -117,9 +117,10 @@ class SchedulerServiceServicer:
         own timeout and trace context) or a cancel each way in, and back, by call
         id, the events a Submit call would send (Placement, AttemptLost) and its
         end (the status it would end with). A message carries every command or
-        update ready at once. When the stream ends or breaks, every request on it
-        ends as if its Submit call had been cancelled (scheduler) or had broken
-        with the stream's status (gateway); the gateway opens a new one.
+        update ready at once. When the stream breaks, every request on it ends as
+        if its Submit call had been cancelled (scheduler) or had broken with the
+        stream's status (gateway); the gateway opens a new one. A half-close lets
+        the requests on it run to their ends, then the stream ends OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,6 +38,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.done: list[str] = []  # request ids whose handler ended, in order
         self.release: dict[str, asyncio.Event] = {}
         self.break_stream: asyncio.Event | None = None
+        self.address = ""
 
     def Submissions(self, request_iterator, context) -> AsyncIterator[scheduler_pb2.SubmitUpdates]:
         self.streams += 1
@@ -73,7 +74,8 @@ async def scheduler() -> AsyncIterator[tuple[ScriptedScheduler, SchedulerSubmiss
     server.add_service("tandem.v1.SchedulerService", scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        servicer)
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    servicer.address = f"127.0.0.1:{server.port}"
+    channel = grpc.aio.insecure_channel(servicer.address)
     client = SchedulerSubmissions(scheduler_pb2_grpc.SchedulerServiceStub(channel))
     try:
         yield servicer, client
@@ -194,3 +196,19 @@ async def test_a_reader_cancelled_while_it_waits_cancels_its_submission(schedule
     assert not reader.done()
     reader.cancel()
     await eventually(lambda: servicer.done == ["r1"], "r1's handler ended by the reader's cancel")
+
+
+async def test_after_a_half_close_the_submissions_run_to_their_ends_then_the_stream_ends(scheduler) -> None:
+    servicer, _ = scheduler
+    commands = scheduler_pb2.SubmitCommands(commands=[
+        scheduler_pb2.SubmitCommand(call_id=7, submit=scheduler_pb2.Submission(
+            request=scheduler_pb2.SubmitRequest(request_id="lost-1"))),
+        scheduler_pb2.SubmitCommand(call_id=8, submit=scheduler_pb2.Submission(
+            request=scheduler_pb2.SubmitRequest(request_id="full-1")))])
+    async with grpc.aio.insecure_channel(servicer.address) as channel:
+        stream = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submissions(
+            iter([commands]), metadata=METADATA, timeout=DEADLINE_S)
+        updates = [(u.call_id, u.WhichOneof("kind")) async for message in stream for u in message.updates]
+        assert await stream.code() == grpc.StatusCode.OK
+    assert sorted(updates) == [(7, "end"), (7, "event"), (7, "event"), (8, "end")]
+    assert sorted(servicer.done) == ["full-1", "lost-1"]
