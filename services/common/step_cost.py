@@ -72,15 +72,20 @@ class StepCostFit:
     (at least `min_samples` of them, and the token counts not constant) to tell the terms apart. A
     KV-read term whose count was zero in every step (a prefill worker runs no decodes) fits as 0.
     The first `warmup` steps are not recorded: they pay one-time costs (first touch of the KV pool,
-    kernel selection) that took a fresh CPU worker's fitted fixed cost to 900 ms."""
+    kernel selection) that took a fresh CPU worker's fitted fixed cost to 900 ms.
 
-    def __init__(self, window: int = 256, min_samples: int = 16, warmup: int = 8) -> None:
-        if min_samples < 3 or window < min_samples or warmup < 0:
-            raise ValueError(f"need window >= min_samples >= 3 steps and warmup >= 0, got window={window}, "
-                             f"min_samples={min_samples}, warmup={warmup}")
+    `overrun_ms(cost)` says how far the last `recent` steps ran past what `cost` predicts: a fit over
+    `window` steps follows the mean, and its steps ran up to 2.6x their prediction when the machine's
+    speed moved (other processes on the cores, the VM), which is what a step target must leave room for."""
+
+    def __init__(self, window: int = 256, min_samples: int = 16, warmup: int = 8, recent: int = 64) -> None:
+        if min_samples < 3 or window < min_samples or warmup < 0 or not 0 < recent <= window:
+            raise ValueError(f"need window >= min_samples >= 3 steps, warmup >= 0 and 0 < recent <= window, got "
+                             f"window={window}, min_samples={min_samples}, warmup={warmup}, recent={recent}")
         self._samples: deque[StepSample] = deque(maxlen=window)
         self._min_samples = min_samples
         self._skip = warmup
+        self._recent = recent
 
     def record(self, new_tokens: int, context_tokens: int, ms: float, decode_context_tokens: int = 0) -> None:
         if self._skip > 0:
@@ -100,6 +105,15 @@ class StepCostFit:
         coefficients = np.zeros(design.shape[1])
         coefficients[used] = _nonnegative_least_squares(design[:, used], times)
         return StepCost(*(float(c) for c in coefficients))
+
+    def overrun_ms(self, cost: StepCost, quantile: float = 0.95) -> float:
+        """The `quantile` of (actual - predicted) step time over the last `recent` steps, at least 0; 0 with
+        fewer than `min_samples` steps recorded."""
+        if len(self._samples) < self._min_samples:
+            return 0.0
+        recent = list(self._samples)[-self._recent:]
+        errors = [s.ms - cost.step_ms(s.new_tokens, s.context_tokens, s.decode_context_tokens) for s in recent]
+        return max(0.0, float(np.quantile(errors, quantile)))
 
 
 def _nonnegative_least_squares(design: np.ndarray, times: np.ndarray) -> np.ndarray:

@@ -5,10 +5,13 @@ prompt chunk); a prompt chunk leaves one token of the budget for every decode be
 prompt admitted before them never takes a step from the decodes. Waiting sequences are admitted
 after them while the token budget, the sequence cap and the free blocks allow. With a step target
 (the scheduler's ITL target, services/scheduler/batch_policy.py) prompt chunks also share only the
-time the step's decodes leave under it, priced by the worker's step-cost model from the decodes'
-actual contexts and each chunk's position, but at least `min_prefill_tokens` a step, so prompts
-always progress; and a waiting sequence is admitted only while the decodes' steps, its own included,
-leave that minimum room (so the running set is sized from actual contexts, not a typical one). When a running sequence needs a block and none is free, the
+time the step's decodes leave under it, less the margin by which recent steps overran their
+prediction, priced by the worker's step-cost model from the decodes' actual contexts and each
+chunk's position; and a waiting sequence is admitted only while the decodes' steps, its own
+included, leave `min_prefill_tokens` of room (so the running set is sized from actual contexts, not
+a typical one). A step without decodes gives prompts at least that minimum, so they always
+progress; a step whose decodes fill the target gives them nothing, since a minimum chunk deep in a
+long prompt cost as much as the whole target. When a running sequence needs a block and none is free, the
 most recently admitted running sequence is preempted: its blocks are released and it waits at
 the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
 """
@@ -47,20 +50,27 @@ class SchedulerLimits:
 
 @dataclass(frozen=True, slots=True)
 class StepTarget:
-    """Prompt chunks fit a step predicted (by `cost`) to end within `step_ms`, or take `min_prefill_tokens`;
-    a sequence is admitted while the decodes' steps, its own included, leave that minimum room. Without
-    a cost model yet (a fresh worker) prompts get only the minimum, and admission only the caps."""
+    """Prompt chunks fit a step predicted (by `cost`) to end within `sizing_ms`: `step_ms` less
+    `margin_ms` (how far recent steps overran their prediction), the margin at most half the target. A
+    sequence is admitted while the decodes' steps, its own included, leave `min_prefill_tokens` room, and
+    a step without decodes gives prompts at least that many. Without a cost model yet (a fresh worker)
+    prompts get only the minimum, and admission only the caps."""
 
     step_ms: float
     min_prefill_tokens: int
     cost: StepCost | None
+    margin_ms: float = 0.0
+
+    @property
+    def sizing_ms(self) -> float:
+        return self.step_ms - min(self.margin_ms, self.step_ms / 2)
 
     @classmethod
-    def of(cls, step_ms: float, min_prefill_tokens: int, fit: StepCost | None) -> StepTarget:
+    def of(cls, step_ms: float, min_prefill_tokens: int, fit: StepCost | None, margin_ms: float = 0.0) -> StepTarget:
         """The target with the worker's fit, or with none when the fit prices no prompt token (noise on a
         loaded machine fitted 0 ms a token and 0 a KV entry: such a fit would size chunks without bound)."""
         usable = fit is not None and (fit.per_token_ms > 0 or fit.per_context_token_ms > 0)
-        return cls(step_ms, min_prefill_tokens, fit if usable else None)
+        return cls(step_ms, min_prefill_tokens, fit if usable else None, margin_ms if usable else 0.0)
 
 
 @dataclass(slots=True)
@@ -89,7 +99,7 @@ class PromptTime:
         if cost is None:
             return True
         decodes_ms = self.decodes_ms + cost.decode_ms(context_tokens)
-        return cost.fixed_ms + decodes_ms + cost.chunk_ms(0, self.target.min_prefill_tokens) <= self.target.step_ms
+        return cost.fixed_ms + decodes_ms + cost.chunk_ms(0, self.target.min_prefill_tokens) <= self.target.sizing_ms
 
     def admit(self, context_tokens: int) -> None:
         if self.target.cost is not None:
@@ -155,16 +165,17 @@ class IterationScheduler:
         return chunks
 
     def _prompt_time(self) -> PromptTime | None:
-        """The step target less the fixed cost and the running decodes' (a decode at position p reads p + 1 entries)."""
+        """The step's sizing time less the fixed cost and the running decodes' (a decode at position p reads
+        p + 1 entries); the minimum prompt chunk only in a step without decodes."""
         target = self.target
         if target is None:
             return None
         if target.cost is None:
             return PromptTime(target, 0.0, 0.0, target.min_prefill_tokens)
-        decodes_ms = sum(target.cost.decode_ms(seq.num_tokens) for seq in self.running
-                         if seq.num_uncomputed_tokens == 1)
-        return PromptTime(target, decodes_ms, target.step_ms - target.cost.fixed_ms - decodes_ms,
-                          target.min_prefill_tokens)
+        decodes = [seq.num_tokens for seq in self.running if seq.num_uncomputed_tokens == 1]
+        decodes_ms = sum(target.cost.decode_ms(context) for context in decodes)
+        return PromptTime(target, decodes_ms, target.sizing_ms - target.cost.fixed_ms - decodes_ms,
+                          0 if decodes else target.min_prefill_tokens)
 
     @staticmethod
     def _prompt_room(prompts: PromptTime | None, start: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -47,7 +48,8 @@ from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.worker")
-STEP_COST_REFIT_STEPS = 16  # under a step target, the engines get the refitted cost model this often
+STEP_COST_REFIT_STEPS = 16  # under a step target, the engines get the refitted cost model this often,
+# and at once after a step that ran past the target
 BLOCKS_WAIT_S = 0.5  # prefix-cache changes wait this long for a token batch to ride before going alone
 # A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
 EngineLoader = Callable[[str], Awaitable[Engine]]
@@ -225,6 +227,10 @@ class WorkerRuntime:
         served.loop.batch_window_s = self.policy.batch_window_ms / 1000
         engine.scheduler.limits = replace(engine.scheduler.limits, **self._limits)
         engine.scheduler.target = self._step_target()
+        # The loaded model's objects (about 220,000) leave the collector's generations: a full collection
+        # over them took 150 ms of CPU (500 ms under load) and stopped the engine thread's step with it,
+        # the slowest inter-token gaps of the long-prompt mix.
+        gc.freeze()
         served.loop.start()
         if self.metrics is not None:
             self.metrics.model_loaded(name, seconds)
@@ -334,22 +340,31 @@ class WorkerRuntime:
 
     def _record_step_cost(self, step: StepResult, served: ServedModel | None) -> None:
         """The step in the cost fit (a one-token chunk is a decode); under a step target the engine's
-        batch scheduler gets the refitted model every STEP_COST_REFIT_STEPS steps."""
+        batch scheduler gets the refitted model every STEP_COST_REFIT_STEPS steps, and after a step that
+        ran past the target (the machine slowed: the margin must follow at once)."""
         works = step.work.values()
         decode_context = sum(w.num_context_tokens for w in works if w.num_new_tokens == 1)
+        step_ms = (step.ended_ns - step.started_ns) / 1e6
         self.step_cost.record(sum(w.num_new_tokens for w in works),
-                              sum(w.num_context_tokens for w in works) - decode_context,
-                              (step.ended_ns - step.started_ns) / 1e6, decode_context)
+                              sum(w.num_context_tokens for w in works) - decode_context, step_ms, decode_context)
         self._steps_since_refit += 1
-        if self.policy.step_target_ms > 0 and served is not None and self._steps_since_refit >= STEP_COST_REFIT_STEPS:
+        target_ms = self.policy.step_target_ms
+        if target_ms > 0 and served is not None and (self._steps_since_refit >= STEP_COST_REFIT_STEPS
+                                                     or step_ms > target_ms):
             self._steps_since_refit = 0
             served.engine.scheduler.target = self._step_target()
 
     def _step_target(self) -> StepTarget | None:
-        """The policy's step target with this worker's latest cost fit (None: no target)."""
+        """The policy's step target with this worker's latest cost fit and the margin by which recent steps
+        overran it (None: no target); the margin goes to /metrics (tandem:batch_policy{field="step_margin_ms"})."""
         if self.policy.step_target_ms <= 0:
             return None
-        return StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost.fit())
+        fit = self.step_cost.fit()
+        target = StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, fit,
+                               0.0 if fit is None else self.step_cost.overrun_ms(fit))
+        if self.metrics is not None:
+            self.metrics.batch_policy("step_margin_ms").set(target.margin_ms)
+        return target
 
     def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing) to every scheduler, with the

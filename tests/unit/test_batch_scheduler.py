@@ -90,16 +90,32 @@ def test_a_running_prompt_chunk_is_priced_from_its_position() -> None:
     assert run(batches.schedule()) == [("long", 25)]  # from position 31: 36 ms; 26 would take 37.57
 
 
-def test_decodes_that_leave_no_time_still_let_the_prompts_progress_by_the_minimum() -> None:
+def test_decodes_that_leave_no_time_give_the_prompts_nothing_and_a_step_without_decodes_the_minimum() -> None:
     batches = scheduler(budget=64, chunk=8)
     for name, tokens in (("a", 3), ("b", 3), ("long", 40)):
         batches.add(seq(name, tokens))
     assert run(batches.schedule()) == [("a", 3), ("b", 3), ("long", 8)]
     batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=5, cost=COST)
     batches.add(seq("c", 20))
-    # 12 - 10 - 2 * 1.4 < 0: the running prompt takes the step's 5-token minimum, and c is not admitted
-    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 5)]
+    # 12 - 10 - 2 * 1.4 < 0: the step holds to its target, the running prompt waits, and c is not admitted
+    assert run(batches.schedule()) == [("a", 1), ("b", 1)]
+    batches.remove(batches.running[0])
+    batches.remove(batches.running[0])
+    # No decodes: 2 ms have room for 1 token from position 8, but the prompt takes the 5-token minimum;
+    # c would decode at 3 ms, and 10 + 3 + 5.15 (5 prompt tokens) > 12
+    assert run(batches.schedule()) == [("long", 5)]
     assert [s.request_id for s in batches.waiting] == ["c"]
+
+
+def test_the_margin_recent_steps_overran_by_comes_off_the_step_target_at_most_half_of_it() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=60.0, min_prefill_tokens=4, cost=COST, margin_ms=10.0)
+    batches.add(seq("long", 80))
+    # 60 - 10 margin - 10 - 2 * 1.4 = 37.2 ms: 31 tokens, as with a 50 ms target and no margin
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 31)]
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST, margin_ms=100.0)
+    # the margin is held to 25 ms: 25 - 10 - 2 * 1.5 = 12 ms; from position 31, 8 tokens take 10.84 (9: 12.24)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 8)]
 
 
 def test_a_sequence_is_admitted_while_the_decodes_leave_the_minimum_prompt_chunk() -> None:
@@ -124,6 +140,6 @@ def test_before_the_worker_has_a_cost_model_prompts_take_only_the_minimum() -> N
 
 def test_a_fit_that_prices_no_prompt_token_gives_the_minimum_instead_of_unbounded_chunks() -> None:
     noise = StepCost(fixed_ms=88.7, per_token_ms=0.0, per_context_token_ms=0.0, per_decode_context_ms=0.26)
-    assert StepTarget.of(200.0, 41, noise) == StepTarget(200.0, 41, None)
+    assert StepTarget.of(200.0, 41, noise, margin_ms=30.0) == StepTarget(200.0, 41, None)
     assert StepTarget.of(200.0, 41, None) == StepTarget(200.0, 41, None)
-    assert StepTarget.of(200.0, 41, COST) == StepTarget(200.0, 41, COST)
+    assert StepTarget.of(200.0, 41, COST, margin_ms=30.0) == StepTarget(200.0, 41, COST, 30.0)

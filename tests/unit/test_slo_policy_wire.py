@@ -4,17 +4,24 @@ the policy as the worker's span attributes and /metrics gauges."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import grpc
+import pytest
 
 from services.common.grpc_server import create_server
 from services.common.metrics import ServiceMetrics
+from services.common.step_cost import StepCost, StepCostFit
 from services.common.store import EmbeddedStore
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
+from services.runtime.engine import IterationWork
+from services.worker.engine_loop import EngineSnapshot, StepResult
 from services.worker.registration import Registration
+from services.worker.runtime import STEP_COST_REFIT_STEPS, ModelPlan, WorkerIdentity, WorkerRuntime
 from services.worker.stats import policy_attributes, record_policy
 from services.worker.transport import internal_metadata
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -68,3 +75,39 @@ def test_the_policy_on_spans_and_in_metrics() -> None:
     assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "max_num_batched_tokens"}) == 520
     assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "window_ms"}) == 10
     assert metrics.registry.get_sample_value("tandem:batch_policy", {**labels, "field": "step_target_ms"}) == 50
+
+
+def step(started_ms: float, ms: float, decodes: int, prompt_tokens: int) -> StepResult:
+    """A step of `decodes` decodes at 100 entries each and one prompt chunk from position 0."""
+    work = {f"d{i}": IterationWork(1, 0, 0, 100) for i in range(decodes)}
+    work["p"] = IterationWork(prompt_tokens, 0, 0, prompt_tokens * (prompt_tokens + 1) // 2)
+    return StepResult(outputs=[], batch_size=len(work), iteration=0, started_ns=int(started_ms * 1e6),
+                      ended_ns=int((started_ms + ms) * 1e6), work=work, running_ids=frozenset(), stored=[],
+                      evicted=[], snapshot=EngineSnapshot())
+
+
+async def test_the_worker_sizes_steps_with_the_margin_its_steps_overran_by_and_refits_after_a_slow_one() -> None:
+    truth = StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.01, per_decode_context_ms=0.1)
+    metrics = ServiceMetrics("m", "colo-w")
+    runtime = WorkerRuntime(WorkerIdentity("colo-w", common_pb2.WORKER_ROLE_COLOCATED, "127.0.0.1:1", "m", "cpu"),
+                            ModelPlan({"m": 1}, 1), make_engine=None, schedulers=[], metrics=metrics)
+    runtime.step_cost = StepCostFit(window=64, min_samples=16, warmup=0, recent=16)
+    runtime.policy = scheduler_pb2.BatchPolicy(step_target_ms=50, min_prefill_tokens=4)
+    scheduler = SimpleNamespace(target=None)
+    served = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))
+    for i in range(STEP_COST_REFIT_STEPS):  # on the fit: no margin
+        decodes, tokens = 1 + i % 4, 2 + i
+        predicted = truth.step_ms(decodes + tokens, tokens * (tokens + 1) // 2, 100 * decodes)
+        runtime._record_step_cost(step(100.0 * i, predicted, decodes, tokens), served)
+    assert scheduler.target.cost.fixed_ms == pytest.approx(10.0)
+    assert scheduler.target.margin_ms == pytest.approx(0.0, abs=1e-6)
+    # A step 30 ms over its prediction and past the 50 ms target: the engine gets a new target at once,
+    # without waiting for STEP_COST_REFIT_STEPS steps, its margin that step's overrun under the new fit.
+    runtime._record_step_cost(step(2000.0, truth.step_ms(3 + 16, 136, 200) + 30.0, 2, 16), served)
+    fit = runtime.step_cost.fit()
+    overrun = truth.step_ms(3 + 16, 136, 200) + 30.0 - fit.step_ms(3 + 16, 136, 200)
+    assert 20.0 < overrun < 30.0
+    assert scheduler.target.margin_ms == pytest.approx(runtime.step_cost.overrun_ms(fit)) and scheduler.target.margin_ms > 0
+    assert scheduler.target.sizing_ms == pytest.approx(50.0 - scheduler.target.margin_ms)
+    assert metrics.registry.get_sample_value("tandem:batch_policy", {"model_name": "m", "worker": "colo-w",
+                                                                      "field": "step_margin_ms"}) == scheduler.target.margin_ms

@@ -76,6 +76,25 @@ def test_negative_term_is_dropped_and_the_rest_refitted() -> None:
     assert cost.fixed_ms >= 0 and cost.per_token_ms > 0
 
 
+def test_overrun_is_a_quantile_of_the_recent_steps_excess_over_the_prediction() -> None:
+    truth = StepCost(fixed_ms=12.0, per_token_ms=0.25, per_context_token_ms=0.002)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0, recent=4)
+    for i in range(15):
+        fit.record(1 + i, 100, truth.step_ms(1 + i, 100) + 50.0)
+    assert fit.overrun_ms(truth) == 0.0  # fewer than min_samples steps
+    fit.record(4, 100, truth.step_ms(4, 100) - 5.0)
+    assert fit.overrun_ms(truth, quantile=1.0) == pytest.approx(50.0)
+    for extra in (10.0, 20.0, 30.0, 40.0):  # only the last 4 steps count
+        fit.record(8, 300, truth.step_ms(8, 300) + extra)
+    assert fit.overrun_ms(truth, quantile=0.5) == pytest.approx(25.0)
+    assert fit.overrun_ms(truth, quantile=1.0) == pytest.approx(40.0)
+    for _ in range(4):
+        fit.record(8, 300, truth.step_ms(8, 300) - 3.0)
+    assert fit.overrun_ms(truth) == 0.0  # faster than predicted: no margin, never a negative one
+
+
 def test_window_smaller_than_min_samples_is_refused() -> None:
-    with pytest.raises(ValueError, match="need window >= min_samples >= 3 steps and warmup >= 0"):
+    with pytest.raises(ValueError, match="need window >= min_samples >= 3 steps, warmup >= 0 and 0 < recent"):
         StepCostFit(window=4, min_samples=8)
+    with pytest.raises(ValueError, match="recent=300"):
+        StepCostFit(window=256, recent=300)
