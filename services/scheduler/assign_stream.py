@@ -64,14 +64,14 @@ class _AssignCall:
     async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
         call_id = request.call_id = next(self._call_ids)
         request.timeout_ms = max(1, round(timeout * 1000))
-        answer = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        answer = self._pending[call_id] = loop.create_future()
+        timer = loop.call_later(timeout, _expire, answer, timeout)  # lighter than wait_for's waiter
         self._outgoing.put_nowait(request)
         try:
-            result = await asyncio.wait_for(answer, timeout)
-        except TimeoutError:
-            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"no answer on the Assign stream within {timeout:g} s") from None
+            result = await answer
         finally:
+            timer.cancel()
             self._pending.pop(call_id, None)
         if result.status.code:
             trailing = () if not result.HasField("retry_after_s") else retry_metadata(result.retry_after_s)
@@ -107,6 +107,12 @@ class _AssignCall:
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(error)
+
+
+def _expire(answer: asyncio.Future[worker_pb2.RunResult], timeout: float) -> None:
+    if not answer.done():
+        answer.set_exception(_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no answer on the Assign stream within {timeout:g} s"))
 
 
 def _status(code: grpc.StatusCode, details: str,
