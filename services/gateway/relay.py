@@ -18,6 +18,7 @@ has not yet taken the previous event join that event (one chunk for the client, 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import DeadlineExceeded, TandemError
@@ -45,7 +46,10 @@ class Relay:
         self.base = 0
         self.tokens: list[int] = []
         self._held: dict[int, TokenEvent] = {}
-        self._ready: asyncio.Queue[TokenEvent | TandemError | Interrupted] = asyncio.Queue()
+        # What events() has yet to take, and the future it waits on while there is none: lighter than an
+        # asyncio.Queue, whose put and get, with their bookkeeping (unfinished tasks, putters), are paid per event.
+        self._ready: deque[TokenEvent | TandemError | Interrupted] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._unread: TokenEvent | None = None  # the last event queued, while events() has not taken it
         self.closed = False
 
@@ -61,8 +65,10 @@ class Relay:
             self._held.setdefault(event.output_offset, event)
             return
         self._deliver(event)
-        while not self.closed and (offset := min((o for o in self._held if o <= self.next_offset),
-                                                 default=None)) is not None:
+        while self._held and not self.closed:  # nothing held: the usual case, in order from one worker
+            offset = min((o for o in self._held if o <= self.next_offset), default=None)
+            if offset is None:
+                return
             self._deliver(self._held.pop(offset))
 
     def fail(self, error: TandemError) -> None:
@@ -79,7 +85,7 @@ class Relay:
         self._held.clear()
         self.base = self.next_offset
         self._unread = None
-        self._ready.put_nowait(Interrupted(error, self.next_offset))
+        self._put(Interrupted(error, self.next_offset))
 
     def finish(self, reason: int, worker_id: str = "") -> None:
         """End the stream now with an empty final event (e.g. FINISH_REASON_ABORT), dropping held tokens."""
@@ -90,11 +96,15 @@ class Relay:
     async def events(self, remaining: Callable[[], float | None]) -> AsyncIterator[TokenEvent]:
         """The ordered events up to the final one; raises the failure, or DeadlineExceeded when
         `remaining()` (seconds left, None: no deadline) runs out first, Interrupted after an interrupt()."""
+        loop = asyncio.get_running_loop()
         left = remaining()
-        timer = None if left is None else asyncio.get_running_loop().call_later(left, self._expire)
+        timer = None if left is None else loop.call_later(left, self._expire)
         try:
             while True:  # one timer for the whole stream, none per event
-                item = self._ready.get_nowait() if not self._ready.empty() else await self._ready.get()
+                while not self._ready:
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                item = self._ready.popleft()
                 remaining()  # raises once the deadline passed
                 if isinstance(item, (TandemError, Interrupted)):
                     raise item
@@ -130,7 +140,7 @@ class Relay:
             unread.logprobs.extend(event.logprobs)
             unread.timings.MergeFrom(event.timings)
         else:
-            self._ready.put_nowait(event)
+            self._put(event)
             self._unread = event
 
     def _end_at_once(self, event: TokenEvent) -> None:
@@ -143,7 +153,12 @@ class Relay:
         self.closed = True
         self._held.clear()
         self._unread = None
-        self._ready.put_nowait(last)
+        self._put(last)
+
+    def _put(self, item: TokenEvent | TandemError | Interrupted) -> None:
+        self._ready.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 def _joinable(unread: TokenEvent, event: TokenEvent) -> bool:
