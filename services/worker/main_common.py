@@ -38,6 +38,7 @@ from services.common.tracing import setup_tracing
 from services.runtime.engine import Engine, EngineConfig
 from services.runtime.precision import DTYPE_CHOICES, QUANTIZATION_CHOICES, Choice, Precision, resolve
 from services.worker.runtime import ModelPlan, WorkerIdentity, WorkerRuntime
+from services.worker.served_model import freeze_memory
 from services.worker.servicer_base import WorkerServicerBase
 from services.worker.transport import ChannelPool
 
@@ -235,6 +236,7 @@ async def run_worker(config: WorkerConfig, spec: RoleSpec) -> int:
         except Exception as exc:  # noqa: BLE001 - reported in one line, the process exits 1
             log.error("%s worker could not start: %s: %s", spec.name, type(exc).__name__, exc)
             return 1
+        freeze_memory()
         await server.mark_serving()
         log.info("%s worker %s SERVING", spec.name, runtime.worker_id)
         return await _serve_until_stopped(runtime, server, config, stopping)

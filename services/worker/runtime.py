@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -227,10 +226,6 @@ class WorkerRuntime:
         served.loop.batch_window_s = self.policy.batch_window_ms / 1000
         engine.scheduler.limits = replace(engine.scheduler.limits, **self._limits)
         engine.scheduler.target = self._step_target()
-        # The loaded model's objects (about 220,000) leave the collector's generations: a full collection
-        # over them took 150 ms of CPU (500 ms under load) and stopped the engine thread's step with it,
-        # the slowest inter-token gaps of the long-prompt mix.
-        gc.freeze()
         served.loop.start()
         if self.metrics is not None:
             self.metrics.model_loaded(name, seconds)

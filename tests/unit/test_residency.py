@@ -16,6 +16,7 @@ from services.worker.residency import (
     ModelState,
     ResidentModels,
 )
+from services.worker.served_model import free_memory, freeze_memory
 
 
 @dataclass(slots=True)
@@ -187,3 +188,25 @@ async def test_a_model_unloaded_while_leased_leaves_when_the_lease_ends():
         assert await models.unload("a") is False
     await asyncio.sleep(0)
     assert fake.unloads == ["a"] and models.models() == {}
+
+
+def test_a_frozen_collector_still_frees_a_dropped_engines_cycles():
+    import gc
+    import weakref
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.cycle = engine
+    dropped = weakref.ref(engine)
+    freeze_memory()
+    try:
+        del engine
+        gc.collect()
+        assert dropped() is not None  # frozen: a plain collection leaves it
+        free_memory("cpu")
+        assert dropped() is None
+        assert gc.get_freeze_count() > 0  # what stays is frozen again
+    finally:
+        gc.unfreeze()
