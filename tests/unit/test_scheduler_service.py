@@ -32,7 +32,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.colocated.assignments import serve_assignments
-from services.common.errors import Overloaded
+from services.common.errors import Overloaded, Unavailable
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
 from services.common.health_cli import wait_until_serving
 from services.common.spans import Attr, Event
@@ -93,6 +93,7 @@ class FakeWorker:
     hold: bool = False  # decode: report token 1, then nothing
     hold_prefill: bool = False  # prefill: never return, never report
     late_first_token: bool = False  # prefill: report token 0 after the decode worker's tokens
+    cut_assign: bool = False  # colocated: break the Assign stream at its first request, unanswered
     address: str = ""
     calls: list[Call] = field(default_factory=list)
 
@@ -202,11 +203,14 @@ class FakeWorker:
                      context) -> AsyncIterator[worker_pb2.RunResult]:
         async def run(request: worker_pb2.RunRequest) -> int:
             self._record("Assign", request, context)
-            self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0,
-                          done=generated(request.token_ids))
+            if not self.cut_assign:
+                self.generate(request.request_id, len(request.token_ids), request.sampling.max_tokens, start=0,
+                              done=generated(request.token_ids))
             return 0
 
         async for result in serve_assignments(requests, run):
+            if self.cut_assign:
+                raise Unavailable(f"{self.worker_id} is stopping")
             yield result
 
 
@@ -685,6 +689,21 @@ async def test_a_lost_colocated_workers_request_moves_on_to_another_colocated_wo
         assert (moved.request_id, list(moved.token_ids)) == ("r1#migrated-1", list(range(200, 220)) + [token(0)])
         assert moved.sampling.max_tokens == 3
         assert (await mesh.idle()).migrated == 1
+
+
+async def test_a_colocated_worker_whose_assign_stream_breaks_fails_the_request_as_unavailable() -> None:
+    async with scheduler("c-0", **{"c-0": dict(cut_assign=True)}) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await rest(mesh.submit("r1"))
+        assert (error.value.code(), error.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE, "request r1: a colocated worker it needed stopped answering; retry the request")
+        mesh.workers["c-0"].cut_assign = False
+        await completes(mesh.submit("r2"))  # on a new stream
+        assert [r.request_id for r in mesh.workers["c-0"].called("Assign")] == ["r1", "r2"]
+        await eventually(lambda: mesh.workers["c-0"].called("Abort"), 'mesh.workers["c-0"].called("Abort")')
+        assert [list(r.request_ids) for r in mesh.workers["c-0"].called("Abort")] == [["r1"]]
+        stats = await mesh.idle()
+        assert (stats.completed, stats.failed) == (1, 1)
 
 
 async def test_a_continuation_keeps_its_min_tokens_and_its_default_max_tokens_apart() -> None:
