@@ -59,7 +59,7 @@ class _AssignCall:
         self._call_ids = itertools.count(1)
         self._outgoing: asyncio.Queue[worker_pb2.RunRequest | None] = asyncio.Queue()
         self._call = stub.Assign(self._sent(), metadata=metadata)
-        self._reader = asyncio.ensure_future(self._read())
+        self._reader = asyncio.ensure_future(self._read())  # held here: the loop keeps tasks only weakly
 
     async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
         call_id = request.call_id = next(self._call_ids)
