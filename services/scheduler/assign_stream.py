@@ -4,10 +4,11 @@ on one long-lived call (ColocatedService.Assign) instead of a unary call each.
 `run` numbers the request on the call (call_id), sends it, and waits for its RunResult within its
 timeout; it returns the result, or raises what a failed unary call would: an AioRpcError with the
 worker's status code, message and retry hint (trailing `retry-after`), DEADLINE_EXCEEDED when no
-answer came in time (that request alone fails; the call goes on), or the call's own status when it
+answer came in time (that request alone fails; the call, which may be dead without knowing it,
+takes no more requests and ends once the others are answered), or the call's own status when it
 broke (every request still unanswered on it fails with it, UNAVAILABLE when it ended without one).
-The call is opened by the first request and again by the first one after it broke; `half_close`
-lets a worker that leaves end it once its answers are out, `close` cancels it. The call carries the
+The call is opened by the first request and again by the first one after it broke or timed out;
+`half_close` lets a worker that leaves end it once its answers are out, `close` cancels it. The call carries the
 internal token; each request carries its own timeout and trace context.
 """
 
@@ -66,7 +67,7 @@ class _AssignCall:
         request.timeout_ms = max(1, round(timeout * 1000))
         loop = asyncio.get_running_loop()
         answer = self._pending[call_id] = loop.create_future()
-        timer = loop.call_later(timeout, _expire, answer, timeout)  # lighter than wait_for's waiter
+        timer = loop.call_later(timeout, self._expire, answer, timeout)  # lighter than wait_for's waiter
         self._outgoing.put_nowait(request)
         try:
             result = await answer
@@ -82,6 +83,14 @@ class _AssignCall:
         if self.open:
             self.open = False
             self._outgoing.put_nowait(None)
+
+    def _expire(self, answer: asyncio.Future[worker_pb2.RunResult], timeout: float) -> None:
+        """No answer in time: the request fails alone, and the call takes no more (it may be dead
+        without knowing it; the next request opens a fresh one, as a new unary call would)."""
+        if not answer.done():
+            answer.set_exception(_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"no answer on the Assign stream within {timeout:g} s"))
+            self.half_close()
 
     def cancel(self) -> None:
         self.open = False
@@ -107,12 +116,6 @@ class _AssignCall:
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(error)
-
-
-def _expire(answer: asyncio.Future[worker_pb2.RunResult], timeout: float) -> None:
-    if not answer.done():
-        answer.set_exception(_status(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no answer on the Assign stream within {timeout:g} s"))
 
 
 def _status(code: grpc.StatusCode, details: str,

@@ -119,18 +119,20 @@ async def test_a_refusal_raises_the_status_and_retry_hint_a_call_would(worker) -
         stream.close()
 
 
-async def test_a_request_unanswered_in_time_fails_alone_and_its_late_answer_is_dropped(worker) -> None:
+async def test_a_request_unanswered_in_time_fails_alone_and_the_next_goes_on_a_fresh_call(worker) -> None:
     servicer, stub = worker
     stream = AssignStream(stub, METADATA)
     try:
-        late = await failure(run(stream, "hold-1", timeout=0.2))
+        answered = await run(stream, "r-1")
+        held = run(stream, "hold-2", timeout=0.2)
+        late = await failure(held)
         assert (late.code(), late.details()) == (grpc.StatusCode.DEADLINE_EXCEEDED,
                                                  "no answer on the Assign stream within 0.2 s")
-        # The worker's own bound (timeout_ms) refuses it there too; the next request goes on the same call.
-        assert (await run(stream, "r-2")).call_id == 2
-        servicer.release.set()
-        assert (await run(stream, "r-3")).call_id == 3
-        assert servicer.calls == 1
+        # The call that left it unanswered takes no more (it may be dead): the next request opens another,
+        # and the old one ends once the worker answered what it had (its own bound, timeout_ms, refuses hold-2).
+        assert ((await run(stream, "r-3")).call_id, answered.call_id) == (1, 1)
+        await eventually(lambda: servicer.ended == 1, "the worker ended the call it left unanswered")
+        assert servicer.calls == 2
     finally:
         stream.close()
 
