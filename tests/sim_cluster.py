@@ -3,8 +3,8 @@ simulated workers (`tandem sim-worker`, no model), each a child process with its
 directory, started tier by tier and stopped together even when a start fails.
 
 Several scheduler replicas (`schedulers`, with Redis: they share the registry, the prefix index and
-the load view through it) each take every worker's registration and reports; the gateway spreads
-requests over them. The first is the child "scheduler", the others "scheduler-1", ...
+the load view through it) each take every worker's registration and reports; the gateway sends a
+request to the one its leading prefix ranks first. The first is the child "scheduler", the others "scheduler-1", ...
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class GatewayConfig:
     host: str
     port: int
     http_port: int  # the OpenAI-compatible HTTP API (served by the HTTP bridge)
-    scheduler: tuple[str, ...]  # HOST:PORT of each scheduler; requests go to them in turn
+    scheduler: tuple[str, ...]  # HOST:PORT of each scheduler; a request goes to the one its prefix ranks first
     catalogue: ModelCatalogue  # the models served by name; its primary is loaded at start
     api_keys: tuple[str, ...]
     lora: tuple[str, ...]  # --lora NAME=DIR,...: adapters served as model BASE:NAME (with $TANDEM_HOME/loras)
@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--port", type=int, default=50051, help="gRPC port")
     add_option(parser, "--http-port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
     add_option(parser, "--scheduler", type=parse_addresses, default=("127.0.0.1:50052",),
-               help="the schedulers' HOST:PORT, comma-separated: requests go to them in turn, and to the next "
-                    "while one cannot be reached")
+               help="the schedulers' HOST:PORT, comma-separated: a request goes to the one its leading prefix "
+                    "ranks first (within a bound on each one's share), and to the next while one cannot be reached")
     parser.add_argument("--model", action="append", default=None, metavar="[NAME=]DIR",
                         help="a model to serve as NAME (DIR alone: under its directory's name), repeatable, beside "
                              "every model directory under $TANDEM_HOME/models; the first is the primary, loaded at "

@@ -57,7 +57,7 @@ class UpConfig:
     internal_token_file: Path | None  # None: TANDEM_INTERNAL_TOKEN, else a random token for this run
     slo_ttft_ms: float = 0.0  # with slo_itl_ms: the scheduler sets each worker's batching policy (0: off)
     slo_itl_ms: float = 0.0
-    schedulers: int = 1  # replicas; several share Redis (the workers report to each, the gateway spreads over them)
+    schedulers: int = 1  # replicas; several share Redis (the workers report to each, the gateway chooses by prefix)
     placement: str = "cost"  # the scheduler's --placement (services/scheduler/model_placement.py)
 
     @property
