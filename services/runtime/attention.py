@@ -4,8 +4,9 @@ A step's tokens arrive flattened: decode tokens first (one per sequence), then e
 chunk. `BatchMetadata` says where each segment's tokens sit and which blocks hold its context.
 The model writes the step's keys and values into the cache first (`write_kv`, or the native fused
 RoPE-and-write), then the backend attends. The torch backend (CPU and CUDA) uses SDPA for prompt
-chunks; its decode rows run the native kernel straight over the paged blocks where the native build
-is loaded on the CPU, else two batched matrix products over a gathered copy. flash-attn is used on
+chunks, except that a fresh bfloat16 chunk runs the native causal kernel (`prefill_attention`) where
+the native build is loaded on the CPU; its decode rows run the native kernel straight over the paged
+blocks there, else two batched matrix products over a gathered copy. flash-attn is used on
 CUDA when it imports and the block size suits its paged kernel. The SDPA fallback on CUDA is logged,
 with the reason, once.
 """
@@ -100,13 +101,16 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, context_len: in
 
 
 class TorchAttention:
-    """SDPA on any device for prompt chunks; decode tokens attend in one batch, by the native kernel
-    when `native_decode` (`select_backend` sets it where `native.active`), else padded and masked."""
+    """SDPA on any device for prompt chunks; decode tokens attend in one batch, padded and masked. With
+    `native` (`select_backend` sets it where `native.active`) the decode rows run the native kernel, and
+    so do fresh bfloat16 prompt chunks: `tandem.prefill_attention` ran a 512-token chunk of the default
+    model 2.6x faster than SDPA's CPU kernel in bfloat16 (3.5 against 9.3 ms a layer, one AMD EPYC Zen 4
+    core); float32 stays on SDPA, as HF's reference runs it (the parity tests)."""
 
     name = "torch"
 
-    def __init__(self, native_decode: bool = False) -> None:
-        self.native_decode = native_decode
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale):
         num_decode = meta.num_decode_tokens
@@ -121,7 +125,7 @@ class TorchAttention:
         return out
 
     def _decode_rows(self, q, k_cache, v_cache, meta, scale):
-        if self.native_decode:
+        if self.native:
             return torch.ops.tandem.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                      meta.decode_context_lens, scale)
         return self._decode(q, k_cache, v_cache, meta, scale)
@@ -142,8 +146,9 @@ class TorchAttention:
         probs = torch.softmax(torch.add(meta.decode_bias, scores, alpha=scale), dim=-1)
         return torch.matmul(probs, values).view(batch, heads, head_dim).to(q.dtype)
 
-    @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, seg, scale):
+    def _prefill(self, q, k, v, k_cache, v_cache, seg, scale):
+        if seg.is_fresh and self.native and q.dtype == torch.bfloat16:
+            return torch.ops.tandem.prefill_attention(q, k, v, scale)
         if seg.is_fresh:
             keys, values, mask, causal = k, v, None, True
         else:
@@ -202,7 +207,7 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
     if block_size < 1:
         raise ValueError(f"--block-size {block_size} must be at least 1")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttention(native_decode=native.active(device))
+        return TorchAttention(native=native.active(device))
     if device.type != "cuda":
         raise ValueError("the flash attention backend needs a CUDA device; use --attention torch on CPU")
     if block_size % FLASH_PAGE_MULTIPLE:

@@ -53,7 +53,7 @@ def test_logits_match_transformers(kind, path, tmp_path):
         pytest.skip("the native kernels are not built: python -m services.runtime.native")
     torch.set_num_threads(1)
     reference = make_tiny(kind, tmp_path)
-    model = CausalLM.from_model_dir(tmp_path, TorchAttention(native_decode=path == "native"))
+    model = CausalLM.from_model_dir(tmp_path, TorchAttention(native=path == "native"))
     model.ops = NativeOps if path == "native" else TorchOps
     cache = PagedKVCache(model.config, num_blocks=8, block_size=4)
     cache.initialize(list(range(8)))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.runtime import native
-from services.runtime.attention import BatchMetadata, TorchAttention, write_kv
+from services.runtime.attention import BatchMetadata, PrefillSegment, TorchAttention, write_kv
 from services.runtime.layer_ops import rms_norm, rotate
 from services.runtime.model_runner import ModelRunner
 
@@ -126,6 +126,66 @@ def test_decode_attention_refuses_a_context_longer_than_its_blocks(ops):
     cache = torch.zeros(4, BLOCK, KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match=r"sequence 0's context of 17 tokens does not fit its 1 blocks of 16"):
         ops.decode_attention(torch.zeros(1, HEADS, HEAD_DIM), cache, cache, torch.tensor([[0]]), torch.tensor([17]), 1.0)
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a fresh chunk in float32 (SDPA), `[tokens, heads, head_dim]` as the kernel's."""
+    def heads_first(x):
+        return x.float().transpose(0, 1)[None]
+
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("kernel", ["prefill_attention", "prefill_attention_portable"])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [
+    (1, HEADS, KV_HEADS, HEAD_DIM), (37, HEADS, KV_HEADS, HEAD_DIM), (160, HEADS, KV_HEADS, HEAD_DIM),
+    (45, 8, 2, 128), (33, 4, 4, 48),
+])
+def test_prefill_attention_matches_causal_float32_attention_in_bfloat16(ops, kernel, tokens, heads, kv_heads, head_dim):
+    """q, k and v strided views of one fused qkv tensor, as the model passes them; token counts off the
+    kernel's 16-row blocks, head_dim 64 and 128 (the vector path) and 48 (the portable loop)."""
+    torch.manual_seed(5)
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, head_dim) * 2).to(torch.bfloat16)
+    q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), 1)
+    got = getattr(ops, kernel)(q, k, v, head_dim**-0.5)
+    assert got.shape == (tokens, heads, head_dim) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    _close(got, _causal_reference(q, k, v, head_dim**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_runs_other_dtypes_on_the_portable_loop(ops, dtype):
+    torch.manual_seed(6)
+    qkv = torch.randn(29, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv.split_with_sizes((HEADS, KV_HEADS, KV_HEADS), 1)
+    got = ops.prefill_attention(q, k, v, 0.125)
+    assert got.dtype == dtype
+    _close(got, _causal_reference(q, k, v, 0.125).to(dtype), dtype)
+
+
+def test_prefill_attention_refuses_keys_for_other_rows(ops):
+    q, kv = torch.zeros(8, HEADS, HEAD_DIM, dtype=torch.bfloat16), torch.zeros(7, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"k and v must be \[8, kv_heads, 64\] like q's rows, got \[7, 3, 64\]"):
+        ops.prefill_attention(q, kv, kv, 0.125)
+
+
+def test_a_fresh_bfloat16_chunk_attends_by_the_native_kernel_as_sdpa_does(ops, monkeypatch):
+    """TorchAttention(native=True) sends a fresh bfloat16 chunk to the kernel (counted) and agrees with SDPA."""
+    torch.manual_seed(7)
+    tokens = 40
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    q, k, v = qkv.split_with_sizes((HEADS, KV_HEADS, KV_HEADS), 1)
+    cache = torch.zeros(4, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    meta = BatchMetadata(positions=torch.arange(tokens), slot_mapping=torch.arange(tokens), num_decode_tokens=0,
+                         decode_block_tables=None, decode_context_lens=None, decode_bias=None,
+                         prefills=[PrefillSegment(0, tokens, tokens, torch.arange(3))], logits_indices=torch.tensor([39]))
+    calls = []
+    kernel = torch.ops.tandem.prefill_attention
+    monkeypatch.setattr(torch.ops.tandem, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
+    got = TorchAttention(native=True).attend(q, k, v, cache, cache, meta, 0.125)
+    assert calls == [1]
+    _close(got, TorchAttention().attend(q, k, v, cache, cache, meta, 0.125), torch.bfloat16)
 
 
 def test_without_a_build_the_torch_path_runs_and_the_log_says_how_to_build(ops, tmp_path, monkeypatch, caplog):
