@@ -43,6 +43,9 @@ TANDEM = Path(sys.executable).parent / "tandem"
 # Sized for a 2-core CI machine; the compose file leaves these at the services' defaults.
 LOCAL_SETTINGS = {"TANDEM_THREADS": "1", "TANDEM_KV_MEMORY": "256MiB", "OTEL_BSP_SCHEDULE_DELAY": "200"}
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # two KV blocks to transfer
+# Prompts of other first tokens: the gateway chooses a request's scheduler by its leading prefix
+# (services/gateway/replica_choice.py), and these reach each replica of --schedulers 2.
+SPREAD_PROMPTS = [", ".join(str(k) for k in range(start, start + 10)) + "," for start in range(11, 90, 10)]
 MAX_TOKENS = 16
 
 pytestmark = pytest.mark.slow
@@ -349,10 +352,11 @@ def test_every_scheduler_places_requests_and_every_service_traces_under_its_own_
 ) -> None:
     services = deployment.compose.services
     schedulers = [name for name, service in services.items() if service.get("command", [""])[0] == "scheduler"]
-    # The gateway gives new requests to its schedulers in turn: one each, all greedy, all alike.
+    # One prompt, one replica: greedy and alike; the other prompts reach the other replicas.
     tokens = [token for response in greedy_run for token in response.token_ids]
-    for _ in schedulers:
-        assert [token for response in generate(deployment, PROMPT) for token in response.token_ids] == tokens
+    assert [token for response in generate(deployment, PROMPT) for token in response.token_ids] == tokens
+    for prompt in SPREAD_PROMPTS:
+        assert generate(deployment, prompt)[-1].usage.completion_tokens > 0
     expected = {
         service["environment"]["OTEL_SERVICE_NAME"]
         for name, service in services.items()
