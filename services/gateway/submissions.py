@@ -26,6 +26,8 @@ from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tandem.v1.errors import code_from_number
 
+# A message of commands stays well under the channels' 64 MiB limit, whatever the prompts waiting.
+MESSAGE_BUDGET_BYTES = 4 << 20
 _Metadata = Sequence[tuple[str, str]]
 _Item = scheduler_pb2.SubmitEvent | grpc.aio.AioRpcError | object  # an event, a failure, or grpc.aio.EOF
 
@@ -128,11 +130,18 @@ class _Stream:
         self._wake.set()
 
     async def _outgoing(self) -> AsyncIterator[scheduler_pb2.SubmitCommands]:
+        """The commands ready, MESSAGE_BUDGET_BYTES of them at most to a message (prompts are large)."""
         while self.open:
             await self._wake.wait()
             self._wake.clear()
-            if self._commands:
-                commands, self._commands = self._commands, []
+            while self._commands:
+                size, count = 0, 0
+                for command in self._commands:
+                    size += command.ByteSize()
+                    if count and size > MESSAGE_BUDGET_BYTES:
+                        break
+                    count += 1
+                commands, self._commands = self._commands[:count], self._commands[count:]
                 yield scheduler_pb2.SubmitCommands(commands=commands)
 
     async def _read(self) -> None:

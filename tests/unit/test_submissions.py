@@ -14,6 +14,7 @@ import pytest
 
 from services.common.errors import Overloaded, TandemError, Unavailable, error_from_rpc
 from services.common.grpc_server import INTERNAL_TOKEN_KEY, create_server
+from services.gateway import submissions as gateway_submissions
 from services.gateway.submissions import SchedulerSubmissions, SubmitCall
 from services.scheduler import submissions
 from services.scheduler.submissions import SubmissionCall
@@ -34,6 +35,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def __init__(self) -> None:
         self.streams = 0
+        self.messages = 0  # command messages received
         self.seen: dict[str, SubmissionCall] = {}
         self.done: list[str] = []  # request ids whose handler ended, in order
         self.release: dict[str, asyncio.Event] = {}
@@ -42,7 +44,12 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def Submissions(self, request_iterator, context) -> AsyncIterator[scheduler_pb2.SubmitUpdates]:
         self.streams += 1
-        return self._served(submissions.serve(self.handle, request_iterator, context))
+        return self._served(submissions.serve(self.handle, self._counted(request_iterator), context))
+
+    async def _counted(self, messages: AsyncIterator[scheduler_pb2.SubmitCommands]):
+        async for message in messages:
+            self.messages += 1
+            yield message
 
     async def _served(self, updates: AsyncIterator[scheduler_pb2.SubmitUpdates]):
         async for message in updates:
@@ -212,3 +219,13 @@ async def test_after_a_half_close_the_submissions_run_to_their_ends_then_the_str
         assert await stream.code() == grpc.StatusCode.OK
     assert sorted(updates) == [(7, "end"), (7, "event"), (7, "event"), (8, "end")]
     assert sorted(servicer.done) == ["full-1", "lost-1"]
+
+
+async def test_commands_past_the_message_budget_go_in_several_messages(scheduler, monkeypatch) -> None:
+    servicer, client = scheduler
+    monkeypatch.setattr(gateway_submissions, "MESSAGE_BUDGET_BYTES", 1)  # smaller than any command: one each
+    calls = [client.submit(scheduler_pb2.SubmitRequest(request_id=f"lost-{i}", token_ids=range(200)),
+                           timeout=DEADLINE_S, metadata=METADATA) for i in range(4)]
+    for call in calls:
+        assert [event.WhichOneof("kind") async for event in call] == ["placement", "lost"]
+    assert servicer.messages == 4
