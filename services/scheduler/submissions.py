@@ -109,7 +109,7 @@ class SubmissionStream:
             call = SubmissionCall(self._metadata, command.submit)
             task = asyncio.ensure_future(self._run(command.call_id, command.submit.request, call))
             self._running[command.call_id] = task
-            task.add_done_callback(lambda _, call_id=command.call_id, call=call: self._ended(call_id, call))
+            task.add_done_callback(lambda done, call_id=command.call_id, call=call: self._ended(call_id, done, call))
         elif command.cancel and (task := self._running.pop(command.call_id, None)) is not None:
             task.cancel()
 
@@ -127,8 +127,9 @@ class SubmissionStream:
         else:
             self._send(call_id, end=scheduler_pb2.SubmitEnd(status=common_pb2.RequestError()))
 
-    def _ended(self, call_id: int, call: SubmissionCall) -> None:
-        self._running.pop(call_id, None)
+    def _ended(self, call_id: int, task: asyncio.Task, call: SubmissionCall) -> None:
+        if self._running.get(call_id) is task:  # not a later submission that reused a cancelled one's id
+            del self._running[call_id]
         call.done()
         self._wake.set()
 

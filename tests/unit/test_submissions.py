@@ -229,3 +229,24 @@ async def test_commands_past_the_message_budget_go_in_several_messages(scheduler
     for call in calls:
         assert [event.WhichOneof("kind") async for event in call] == ["placement", "lost"]
     assert servicer.messages == 4
+
+
+async def test_a_call_id_reused_after_its_cancel_names_the_new_submission_to_its_end(scheduler) -> None:
+    servicer, _ = scheduler
+
+    def submission(request_id: str) -> scheduler_pb2.SubmitCommand:
+        return scheduler_pb2.SubmitCommand(call_id=5, submit=scheduler_pb2.Submission(
+            request=scheduler_pb2.SubmitRequest(request_id=request_id)))
+
+    commands = scheduler_pb2.SubmitCommands(commands=[
+        submission("old"), scheduler_pb2.SubmitCommand(call_id=5, cancel=True), submission("new")])
+    async with grpc.aio.insecure_channel(servicer.address) as channel:
+        stream = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submissions(
+            iter([commands]), metadata=METADATA, timeout=DEADLINE_S)
+        await eventually(lambda: "new" in servicer.release, "the new submission placed and held")
+        servicer.release["new"].set()
+        updates = [u async for message in stream for u in message.updates]
+        assert await stream.code() == grpc.StatusCode.OK
+    assert [(u.WhichOneof("kind"), u.event.placement.attempt_id) for u in updates][-2:] == [
+        ("event", "new"), ("end", "")]
+    assert servicer.done == ["new"]  # the old one was cancelled before its handler started
