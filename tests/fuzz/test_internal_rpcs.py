@@ -1,5 +1,5 @@
 """The internal RPCs under hypothesis-generated messages sent with the valid internal token: the
-scheduler's (Submit, Abort, Stats, RegisterWorker, Heartbeat, DeregisterWorker, ReportBlocks,
+scheduler's (Submit, Submissions, Abort, Stats, RegisterWorker, Heartbeat, DeregisterWorker, ReportBlocks,
 ReportTokens) and the workers' (Prefill, Reserve, Release, Abort, Stats, KV Push). Pass: no call
 ends INTERNAL or UNKNOWN, no process dies, and once the workers a fuzzed RegisterWorker invented
 have lapsed (3 s TTL) the mesh serves the reference request's exact tokens and is idle.
@@ -24,6 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from services.common.wire import MAX_ABORT_IDS
+from tandem.v1.errors import code_from_number
 from tandem.v1 import (
     common_pb2,
     kv_transfer_pb2,
@@ -62,6 +63,8 @@ class Rpc:
     def call(self, channel: grpc.Channel, sent: Message | list[Message], token_metadata) -> Callable[[], object]:
         method = getattr(self.stub(channel), self.method)
         arguments = {"timeout": INTERNAL_TIMEOUT_S, "metadata": token_metadata}
+        if self.client_streaming and self.server_streaming:
+            return lambda: list(method(iter(sent), **arguments))
         if self.client_streaming:
             return lambda: method(iter(sent), **arguments)
         if self.server_streaming:
@@ -72,6 +75,8 @@ class Rpc:
 SCHEDULER_RPCS = [
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Submit", scheduler_pb2.SubmitRequest.DESCRIPTOR,
         server_streaming=True),
+    Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Submissions", scheduler_pb2.SubmitCommands.DESCRIPTOR,
+        client_streaming=True, server_streaming=True),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Abort", common_pb2.AbortRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Stats", scheduler_pb2.SchedulerStatsRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "RegisterWorker", scheduler_pb2.RegisterWorkerRequest.DESCRIPTOR),
@@ -134,10 +139,20 @@ def calls(rpcs: list[Rpc], field_hints: dict[str, st.SearchStrategy]) -> st.Sear
 
 
 def assert_no_fault(target: Target, rpc: Rpc, sent, token_metadata) -> Outcome:
-    outcome, _ = outcome_of(rpc.call(target.channel, sent, token_metadata))
+    outcome, result = outcome_of(rpc.call(target.channel, sent, token_metadata))
     event(f"{rpc.method}: {outcome.code.name}")
     assert outcome.code not in FAULTS, (target.name, rpc.method, sent, outcome)
+    for end in _submission_ends(result):  # each submission on a Submissions stream ends as a Submit call
+        event(f"{rpc.method} submission: {code_from_number(end.status.code).name}")
+        assert code_from_number(end.status.code) not in FAULTS, (target.name, rpc.method, sent, end)
     return outcome
+
+
+def _submission_ends(result: object) -> list[scheduler_pb2.SubmitEnd]:
+    if not isinstance(result, list):
+        return []
+    return [update.end for message in result if isinstance(message, scheduler_pb2.SubmitUpdates)
+            for update in message.updates if update.HasField("end")]
 
 
 @pytest.fixture(scope="module")
