@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import grpc
 import pytest
@@ -42,8 +42,8 @@ ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "40MiB", "TANDEM_THREADS"
 MAX_TOKENS = 6
 BLOCK = 16
 # 51 of a decode worker's 56 blocks, about 37 MiB of KV: more than loopback buffers hold (a push to a
-# frozen decode worker stalls mid-transfer), and a prefill long enough on 2 cores to freeze a worker
-# during it; one prompt per test, so no prefix-cache hit shortens the second one's prefill.
+# frozen decode worker stalls mid-transfer); one prompt per test, so no prefix-cache hit shortens the
+# second one's prefill.
 LONG_PROMPTS = {"decode": prompt_of(800, 5), "prefill": prompt_of(800, 6)}
 SCHEDULER_LOSS_ANSWER_S = 30.0  # the bound on an in-flight request's end once the scheduler is killed
 
@@ -187,18 +187,24 @@ def test_a_request_whose_decode_worker_freezes_mid_stream_is_unavailable(mesh, r
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_request_whose_worker_freezes_during_its_prefill_and_kv_transfer_is_unavailable(mesh, pool, reference,
                                                                                          role):
-    """The decode worker holds the request's reserved blocks: freeze it (the prefill worker's push then
-    stalls on it mid-transfer) or the prefill worker (mid-prefill, before its push)."""
+    """The request is sent to a frozen prefill worker, so it stops at its prefill with its blocks reserved
+    on the decode worker (whatever the machine's load, it cannot finish before the test looks). Then
+    either the prefill worker stays frozen (mid-prefill, before its push), or the decode worker is
+    frozen and the prefill worker thawed (its push then stalls on the decode worker mid-transfer)."""
     decode = worker(mesh, first_ranked_decode(mesh))
     (prefill,) = workers(mesh, common_pb2.WORKER_ROLE_PREFILL)
     request_id = f"kv-stage-{role}-freeze"
     request = greedy_request(LONG_PROMPTS[role], MAX_TOKENS, request_id=request_id)
     request.sampling.ignore_eos = True
-    outcome = send(mesh, pool, request)
-    wait_until(lambda: mesh.worker_stats(decode.name).reserved_blocks > 0 or outcome.done(),
-               "the decode worker to reserve the request's blocks")
-    assert not outcome.done(), f"the request ended before its KV transfer: {outcome.result()}"
-    with frozen(decode if role == "decode" else prefill) as since:
+    with ExitStack() as stopped:
+        since = stopped.enter_context(frozen(prefill))
+        outcome = send(mesh, pool, request)
+        wait_until(lambda: mesh.worker_stats(decode.name).reserved_blocks > 0 or outcome.done(),
+                   "the decode worker to reserve the request's blocks")
+        assert not outcome.done(), f"the request ended before its KV transfer: {outcome.result()}"
+        if role == "decode":
+            since = stopped.enter_context(frozen(decode))
+            os.kill(prefill.pid, signal.SIGCONT)
         ended = answer(outcome, since)
     assert_unavailable(ended, request_id)
     serves_again(mesh, reference, f"after-kv-stage-{role}-freeze")
