@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 
 import grpc
 
-from tandem.v1.errors import INTERNAL, RETRY_AFTER_KEY, RETRY_AFTER_MS_KEY, ErrorKind, kind_named, retry_after_hint
+from tandem.v1 import common_pb2
+from tandem.v1.errors import (INTERNAL, RETRY_AFTER_KEY, RETRY_AFTER_MS_KEY, ErrorKind, code_from_number, kind_named,
+                             retry_after_hint)
 
 DEFAULT_RETRY_AFTER_S = 1.0  # the hint when a peer sent none
 
@@ -126,3 +128,18 @@ def retry_metadata(seconds: float) -> tuple[tuple[str, str], ...]:
     HTTP's Retry-After header takes it) and `retry-after-ms` with the precise value."""
     return ((RETRY_AFTER_KEY, str(max(1, math.ceil(seconds)))),
             (RETRY_AFTER_MS_KEY, str(max(0, round(seconds * 1000)))))
+
+
+def rpc_error(code: grpc.StatusCode, details: str,
+              trailing: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
+    """The error a failed grpc.aio call raises, for one request's failure on a stream that carries many
+    (the Submissions and Assign streams), so its reader takes it as from a call of its own."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
+
+
+def request_rpc_error(status: common_pb2.RequestError, retry_after_s: float | None) -> grpc.aio.AioRpcError:
+    """rpc_error for a refusal or end carried on such a stream: a RequestError (code number and
+    message) with its retry hint, which a call sends as trailing `retry-after`."""
+    trailing = () if retry_after_s is None else retry_metadata(retry_after_s)
+    return rpc_error(code_from_number(status.code), status.message, trailing)
+

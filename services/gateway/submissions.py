@@ -21,19 +21,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common.errors import retry_metadata
+from services.common.errors import request_rpc_error, rpc_error
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tandem.v1.errors import code_from_number
 
 # A message of commands stays well under the channels' 64 MiB limit, whatever the prompts waiting.
 MESSAGE_BUDGET_BYTES = 4 << 20
 _Metadata = Sequence[tuple[str, str]]
 _Item = scheduler_pb2.SubmitEvent | grpc.aio.AioRpcError | object  # an event, a failure, or grpc.aio.EOF
-
-
-def _status(code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
 
 
 class SubmitCall:
@@ -57,7 +52,7 @@ class SubmitCall:
             item = await asyncio.wait_for(self._items.get(), remaining)
         except TimeoutError:
             self.cancel()
-            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -76,7 +71,7 @@ class SubmitCall:
         """Abort the submission on the scheduler (as cancelling its Submit call); False once it ended."""
         if self._ended:
             return False
-        self._end(_status(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+        self._end(rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
         self._stream.cancel(self.call_id)
         return True
 
@@ -89,8 +84,7 @@ class SubmitCall:
         if end.status.code == grpc.StatusCode.OK.value[0]:
             self._end(grpc.aio.EOF)
             return
-        trailing = retry_metadata(end.retry_after_s) if end.HasField("retry_after_s") else ()
-        self._end(_status(code_from_number(end.status.code), end.status.message, trailing))
+        self._end(request_rpc_error(end.status, end.retry_after_s if end.HasField("retry_after_s") else None))
 
     def broken(self, error: grpc.aio.AioRpcError) -> None:
         """The stream ended or broke with the submission still open."""
@@ -122,7 +116,7 @@ class _Stream:
             self._send(scheduler_pb2.SubmitCommand(call_id=call_id, cancel=True))
 
     def close(self) -> None:
-        self._end(_status(grpc.StatusCode.CANCELLED, "the gateway closed the Submissions stream"))
+        self._end(rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the Submissions stream"))
         self._call.cancel()
 
     def _send(self, command: scheduler_pb2.SubmitCommand) -> None:
@@ -145,7 +139,7 @@ class _Stream:
                 yield scheduler_pb2.SubmitCommands(commands=commands)
 
     async def _read(self) -> None:
-        error = _status(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the Submissions stream")
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the Submissions stream")
         try:
             async for message in self._call:
                 for update in message.updates:

@@ -20,9 +20,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.errors import retry_metadata
+from services.common.errors import request_rpc_error, rpc_error
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.v1.errors import code_from_number
 
 
 class AssignStream:
@@ -75,8 +74,7 @@ class _AssignCall:
             timer.cancel()
             self._pending.pop(call_id, None)
         if result.status.code:
-            trailing = () if not result.HasField("retry_after_s") else retry_metadata(result.retry_after_s)
-            raise _status(code_from_number(result.status.code), result.status.message, trailing)
+            raise request_rpc_error(result.status, result.retry_after_s if result.HasField("retry_after_s") else None)
         return result
 
     def half_close(self) -> None:
@@ -88,7 +86,7 @@ class _AssignCall:
         """No answer in time: the request fails alone, and the call takes no more (it may be dead
         without knowing it; the next request opens a fresh one, as a new unary call would)."""
         if not answer.done():
-            answer.set_exception(_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+            answer.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"no answer on the Assign stream within {timeout:g} s"))
             self.half_close()
 
@@ -107,18 +105,13 @@ class _AssignCall:
                 answer = self._pending.get(result.call_id)
                 if answer is not None and not answer.done():
                     answer.set_result(result)
-            error = _status(grpc.StatusCode.UNAVAILABLE, "the worker ended the Assign stream")
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the Assign stream")
         except grpc.aio.AioRpcError as failure:
             error = failure
         except asyncio.CancelledError:  # the call, or its channel, was closed: the worker was lost or left
-            error = _status(grpc.StatusCode.UNAVAILABLE, "the Assign stream was closed")
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the Assign stream was closed")
         self.open = False
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(error)
 
-
-def _status(code: grpc.StatusCode, details: str,
-            trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
-    """A request's failure on the stream, as the error a failed call would raise."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
