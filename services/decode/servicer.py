@@ -168,7 +168,11 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             try:
                 with self._segment(rid, shm) as segment:
                     received = await self._import_all(reservation, first, request_iterator, segment)
-            except BaseException:  # a partial KV is useless: free the blocks (also when the sender went away)
+            except Exception:  # a partial KV is useless: its blocks are free before the sender hears why
+                if not reservation.cancelled:
+                    await self._abort([rid])
+                raise
+            except BaseException:  # the sender went away: free the blocks, no one waits for the answer
                 if not reservation.cancelled:
                     asyncio.ensure_future(self._abort([rid]))
                 raise
