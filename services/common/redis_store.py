@@ -80,20 +80,29 @@ def _record(fields: dict[str, str]) -> WorkerRecord:
     return WorkerRecord(WorkerInfo(**info), WorkerLoad(**load))
 
 
+# Connections one store opens at most; past them a command waits for a free one.
+MAX_CONNECTIONS = 64
+
+
 class RedisStore:
     """Store on a Redis server at `url` (redis://host:port/db). Connects lazily."""
 
     name = "redis"
 
-    def __init__(self, url: str, *, namespace: str = "tandem", timeout: float = 1.0) -> None:
+    def __init__(self, url: str, *, namespace: str = "tandem", timeout: float = 1.0,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.url = url
         self._ns = namespace
         # A pooled connection that a restarted Redis closed fails its next command: each command
-        # tries once more on a fresh connection (which a Redis still down refuses at once).
-        self._redis = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
+        # tries once more on a fresh connection (which a Redis still down refuses at once). A command
+        # finding every connection in use waits for one (at most `timeout`), where the default pool
+        # refused it: 100 workers leaving at once are 100 concurrent commands.
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, decode_responses=True,
+            socket_timeout=timeout, socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
+        self._redis = redis.Redis.from_pool(pool)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)
         self._prune_expired = self._redis.register_script(_PRUNE_EXPIRED)

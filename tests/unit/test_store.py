@@ -215,6 +215,21 @@ async def test_redis_listing_decodes_a_record_again_only_when_it_changed(redis_s
         await store.close()
 
 
+async def test_redis_more_concurrent_calls_than_pooled_connections_wait_for_one(redis_server: RedisServer) -> None:
+    # 100 workers deregistering at once sent a scheduler 100+ concurrent commands; the pool refused
+    # those past its 100th connection ("Too many connections") instead of queueing them.
+    store = RedisStore(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}", max_connections=4)
+    try:
+        await asyncio.gather(*(store.register_worker(info(f"w{i:03d}"), ttl=30) for i in range(40)))
+        await asyncio.gather(*(store.add_blocks(f"w{i:03d}", H[:1]) for i in range(40)))
+        assert [r.info.worker_id for r in await store.list_workers()] == [f"w{i:03d}" for i in range(40)]
+        assert await store.match_prefix(H) == {f"w{i:03d}": 1 for i in range(40)}
+        await asyncio.gather(*(store.remove_worker(f"w{i:03d}") for i in range(40)))
+        assert (await store.list_workers(), await store.match_prefix(H)) == ([], {})
+    finally:
+        await store.close()
+
+
 async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: RedisServer) -> None:
     store = RedisStore(private_redis.url, timeout=10.0)  # a killed Redis refuses at once; a slow one is no outage
     try:
