@@ -69,6 +69,9 @@ class Attr:
     PREFILL_QUEUED_TOKENS = "tandem.prefill.queued_tokens"  # prompt tokens queued on the decode worker before it
     PREFILL_DECODE_RUNNING = "tandem.prefill.decode_running"  # sequences generating on the decode worker
     PREFILL_PREDICTED_STEP_MS = "tandem.prefill.predicted_step_ms"  # its next step with the prefill, by its cost model
+    PREFILL_REMOTE_QUEUED_TOKENS = "tandem.prefill.remote_queued_tokens"  # prompt tokens queued on the prefill worker
+    PREFILL_LOCAL_TTFT_MS = "tandem.prefill.local_ttft_ms"  # predicted first token if chunked locally (-1: never)
+    PREFILL_REMOTE_TTFT_MS = "tandem.prefill.remote_ttft_ms"  # predicted first token on the prefill worker
 
 
 class SpanName:

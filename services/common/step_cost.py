@@ -43,7 +43,7 @@ class StepCost:
 
     def chunk_ms(self, start: int, tokens: int) -> float:
         """What a prompt chunk of `tokens` tokens from position `start` adds to a step (token p reads p + 1)."""
-        return self.per_token_ms * tokens + self.per_context_token_ms * (tokens * start + tokens * (tokens + 1) / 2)
+        return self.per_token_ms * tokens + self.per_context_token_ms * chunk_reads(start, tokens)
 
     def largest_chunk(self, start: int, ms: float) -> int:
         """The most prompt tokens from position `start` whose chunk adds at most `ms` to a step."""
@@ -57,6 +57,11 @@ class StepCost:
         while tokens > 0 and self.chunk_ms(start, tokens) > ms:  # the root's rounding
             tokens -= 1
         return tokens
+
+
+def chunk_reads(start: int, tokens: int) -> int:
+    """The KV entries a prompt chunk of `tokens` tokens from position `start` reads (token p reads p + 1)."""
+    return tokens * start + tokens * (tokens + 1) // 2
 
 
 @dataclass(frozen=True, slots=True)

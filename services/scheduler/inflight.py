@@ -20,6 +20,7 @@ from enum import IntEnum
 
 from opentelemetry import trace
 
+from services.common.step_cost import chunk_reads
 from services.common.store import WorkerRecord
 from services.scheduler.admission import Ticket
 from services.scheduler.deadline import Deadline
@@ -156,6 +157,8 @@ class InflightTable:
             if state.status < Status.GENERATING and placement.prefill is not None:
                 worker_id = placement.prefill.info.worker_id
                 loads.queued_prefill[worker_id] = loads.queued_prefill.get(worker_id, 0) + placement.uncached_tokens
+                loads.queued_reads[worker_id] = loads.queued_reads.get(worker_id, 0) + chunk_reads(
+                    placement.prompt_tokens - placement.uncached_tokens, placement.uncached_tokens)
             if (generator := placement.generator_id) is not None:
                 loads.generating[generator] = loads.generating.get(generator, 0) + 1
             if placement.decode is not None and placement.reserved_blocks:
@@ -169,12 +172,17 @@ class WorkerLoads:
     """What this scheduler's requests put on each worker, at one moment (InflightTable.loads)."""
 
     queued_prefill: dict[str, int] = field(default_factory=dict)
+    queued_reads: dict[str, int] = field(default_factory=dict)  # the KV entries those prompt tokens' chunks read
     generating: dict[str, int] = field(default_factory=dict)
     reservations: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # decode worker -> (at, blocks)
 
     def queued_prefill_tokens(self, worker_id: str) -> int:
         """Prompt tokens this scheduler sent the worker to compute that have not produced a first token."""
         return self.queued_prefill.get(worker_id, 0)
+
+    def queued_prefill_reads(self, worker_id: str) -> int:
+        """The KV entries the chunks of those prompt tokens read (the token at position p reads p + 1)."""
+        return self.queued_reads.get(worker_id, 0)
 
     def running(self, worker_id: str) -> int:
         """Requests generating (or about to) on the decode or colocated worker."""

@@ -161,7 +161,7 @@ def slo_policy(config: SchedulerConfig) -> SloPolicy | None:
 def prefill_placement(config: SchedulerConfig) -> PrefillPlacement:
     """Where a request with a hybrid decode worker prefills (services/scheduler/prefill_placement.py)."""
     return PrefillPlacement(PlacementPolicy(itl_ms=config.slo_itl_ms, context_tokens=config.slo_context_tokens,
-                                            local_tokens=config.local_prefill_tokens))
+                                            local_tokens=config.local_prefill_tokens, ttft_ms=config.slo_ttft_ms))
 
 
 def batch_policy(config: SchedulerConfig) -> scheduler_pb2.BatchPolicy:

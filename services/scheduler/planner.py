@@ -167,8 +167,16 @@ def _place_prefill(plan: RoutePlan, placement: PrefillPlacement, loads: WorkerLo
     cached_blocks = matched.get(target.worker_id, 0)
     queued = loads.queued_prefill_tokens(target.worker_id)
     uncached = prompt_tokens - cached_tokens(cached_blocks, info.block_size, prompt_tokens)
-    decision = placement.decide(target.worker_id, PrefillInputs(
-        uncached_tokens=uncached, queued_tokens=queued, running=target.running, remote_available=bool(plan.prefill)))
+    inputs = PrefillInputs(uncached_tokens=uncached, queued_tokens=queued, running=target.running,
+                           remote_available=bool(plan.prefill), queued_reads=loads.queued_prefill_reads(target.worker_id))
+    remote = plan.prefill[0] if plan.prefill else None
+    if remote is not None:  # the best ranked prefill worker's queue, for the first-token times
+        remote_cached = cached_tokens(remote.cached_blocks, plan.workers[remote.worker_id].info.block_size,
+                                      prompt_tokens)
+        inputs = dataclasses.replace(inputs, remote_tokens=prompt_tokens - remote_cached,
+                                     remote_queued_tokens=remote.queued_prefill_tokens,
+                                     remote_queued_reads=loads.queued_prefill_reads(remote.worker_id))
+    decision = placement.decide(target.worker_id, inputs, remote.worker_id if remote is not None else "")
     if decision.site is PrefillSite.REMOTE:
         return dataclasses.replace(plan, placement=decision)
     local = Score(target.worker_id, float(uncached + queued), cached_blocks=cached_blocks,

@@ -33,8 +33,9 @@ COST = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.0)
 ITL = PlacementPolicy(itl_ms=50.0, context_tokens=1024, local_tokens=256)
 
 
-def inputs(uncached: int, queued: int = 0, running: int = 0, remote: bool = True) -> PrefillInputs:
-    return PrefillInputs(uncached_tokens=uncached, queued_tokens=queued, running=running, remote_available=remote)
+def inputs(uncached: int, queued: int = 0, running: int = 0, remote: bool = True, **more: int) -> PrefillInputs:
+    return PrefillInputs(uncached_tokens=uncached, queued_tokens=queued, running=running, remote_available=remote,
+                         **more)
 
 
 # -- the decision -----------------------------------------------------------------------------
@@ -60,6 +61,54 @@ def test_the_decodes_read_their_contexts_at_the_decode_rate_and_the_prefill_its_
     cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.001, per_decode_context_ms=0.01)
     # 10 + 0.1 * 102 + 0.01 * 2 * 1024 + 0.001 * 100 * 101 / 2 = 10 + 10.2 + 20.48 + 5.05
     assert ITL.next_step_ms(cost, inputs(100, running=2)) == pytest.approx(45.73)
+
+
+TTFT = PlacementPolicy(itl_ms=50.0, context_tokens=1024, local_tokens=256, ttft_ms=1000.0)
+
+
+def test_over_the_itl_target_in_one_step_a_prefill_chunked_locally_that_meets_the_ttft_target_sooner_is_local() -> None:
+    # one step with it: 10 + 0.1 * 4 + 0.1 * 600 = 70.4 ms > 50; chunked into the 50 - 10 - 0.4 = 39.6 ms the
+    # decodes leave a step: ceil(60 / 39.6) = 2 steps of 50 ms; remote: 10 + 0.1 * (20,000 queued + 600)
+    deep = inputs(600, running=4, remote_tokens=600, remote_queued_tokens=20_000)
+    assert TTFT.decide(deep, COST) == PrefillDecision(PrefillSite.LOCAL, Reason.LOCAL_SOONER, deep, step_ms=pytest.approx(70.4),
+                                                      local_ttft_ms=100.0, remote_ttft_ms=pytest.approx(2070.0))
+
+
+def test_a_prefill_worker_whose_first_token_comes_no_later_takes_the_prompt() -> None:
+    idle = inputs(600, running=4, remote_tokens=600)  # remote: 10 + 60 = 70 ms against 100 ms locally
+    decision = TTFT.decide(idle, COST)
+    assert (decision.site, decision.reason, decision.remote_ttft_ms) == (PrefillSite.REMOTE, Reason.REMOTE_SOONER,
+                                                                         pytest.approx(70.0))
+
+
+def test_a_prompt_that_misses_the_ttft_target_on_both_sites_goes_remote_and_leaves_the_decode_steps_short() -> None:
+    strict = PlacementPolicy(itl_ms=50.0, ttft_ms=99.0)  # local 100 ms, remote 2,070 ms: both late
+    decision = strict.decide(inputs(600, running=4, remote_tokens=600, remote_queued_tokens=20_000), COST)
+    assert (decision.site, decision.reason) == (PrefillSite.REMOTE, Reason.OVER_TTFT)
+
+
+def test_decodes_that_fill_the_itl_target_leave_a_local_prefill_no_room() -> None:
+    full = inputs(600, running=400, remote_tokens=600, remote_queued_tokens=20_000)  # 10 + 400 * 0.1 = 50 ms
+    decision = TTFT.decide(full, COST)
+    assert (decision.site, decision.local_ttft_ms) == (PrefillSite.REMOTE, float("inf"))
+    assert decision.span_attributes()["tandem.prefill.local_ttft_ms"] == -1.0
+
+
+def test_both_queues_count_their_tokens_and_the_kv_their_chunks_read_and_the_prefill_worker_its_own_rates() -> None:
+    local_cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.001)
+    remote_cost = StepCost(fixed_ms=20.0, per_token_ms=0.2, per_context_token_ms=0.002)
+    queued = inputs(100, queued=50, running=4, queued_reads=1_000, remote_tokens=100, remote_queued_tokens=300,
+                    remote_queued_reads=5_000)
+    # local work: 0.1 * 150 + 0.001 * (1,000 + 5,050) = 21.05 ms in 39.6 ms a step: 1 step
+    assert TTFT.local_ttft_ms(local_cost, queued) == 50.0
+    # remote: 20 + 0.2 * 400 + 0.002 * (5,000 + 5,050)
+    assert TTFT.remote_ttft_ms(remote_cost, queued) == pytest.approx(120.1)
+    placement = PrefillPlacement(TTFT)
+    placement.observe("d-0", StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.0))
+    placement.observe("p-0", StepCost(fixed_ms=20.0, per_token_ms=2.0, per_context_token_ms=0.0))
+    long = inputs(100, running=4, remote_tokens=100)  # remote 20 + 200 ms by p-0's model, 10 + 100 ms by d-0's
+    assert placement.decide("d-0", long, "p-0").remote_ttft_ms == 220.0
+    assert placement.decide("d-0", long).remote_ttft_ms == 110.0  # no prefill worker's model: the decode worker's
 
 
 def test_without_a_cost_model_or_an_itl_target_the_prompt_length_rule_decides() -> None:
@@ -143,7 +192,7 @@ async def test_the_decode_workers_prefix_hit_shortens_the_prompt_it_would_prefil
     await registry.report_blocks("d-0", hash_chain(prompt, BLOCK, model="smol")[:4], [])
     plan = await plan_route(registry, InflightTable(), submit(prompt), short_rule())
     assert plan.colocated and plan.prefill == [Score("d-0", 19.0, cached_blocks=4, free_blocks=1000)]
-    assert plan.placement.inputs == inputs(19)
+    assert plan.placement.inputs == inputs(19, remote_tokens=83)  # the prefill worker caches none of it
 
 
 async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_decide() -> None:
@@ -159,11 +208,27 @@ async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_
     plan = await plan_route(registry, inflight, submit([7] * 30), placement)  # 10 + 1 + 15 + 30 = 56 ms
     assert not plan.colocated and plan.prefill[0].worker_id == "p-0"
     assert (plan.placement.reason, plan.placement.step_ms) == (Reason.OVER_ITL, 56.0)
-    assert plan.placement.inputs == inputs(30, queued=15, running=1)
+    assert plan.placement.inputs == inputs(30, queued=15, running=1, queued_reads=15 * 16 // 2, remote_tokens=30)
 
     placement.observe("d-0", None)  # the worker lost its model (restarted): the prompt-length rule again
     plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)
     assert plan.placement.reason is Reason.LONG_PROMPT
+
+
+async def test_the_prefill_workers_queue_weighs_against_a_local_prefill_in_chunks() -> None:
+    registry = await registry_with(PREFILL, HYBRID)
+    placement = PrefillPlacement(PlacementPolicy(itl_ms=50.0, local_tokens=0, ttft_ms=1000.0))
+    placement.observe("d-0", StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.001))
+    inflight = InflightTable()  # a 900-token prompt (16 of its tokens cached there) prefilling on p-0
+    queued = Placement(submit([1] * 900), prefill=PREFILL, uncached_tokens=884)
+    inflight.add(RequestState(queued.request, Deadline(), trace.INVALID_SPAN, Ending("q"), queued))
+    plan = await plan_route(registry, inflight, submit([7] * 60), placement)
+    reads = 884 * 16 + 884 * 885 // 2  # its chunks' tokens from position 16 on
+    assert plan.placement.inputs == inputs(60, remote_tokens=60, remote_queued_tokens=884, remote_queued_reads=reads)
+    # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 40 ms room: 2 steps; remotely: 10 + 944 + 0.001 * (reads + 1,830)
+    assert plan.colocated and plan.placement.reason is Reason.LOCAL_SOONER
+    assert (plan.placement.local_ttft_ms, plan.placement.remote_ttft_ms) == (100.0, pytest.approx(10 + 944 + 0.001 * (reads + 1830)))
+    assert plan.prefill == [Score("d-0", 60.0, free_blocks=1000)]
 
 
 async def test_a_decode_worker_without_hybrid_keeps_the_disaggregated_plan_undecided() -> None:
