@@ -111,6 +111,11 @@ class StepCostFit:
         coefficients[used] = _nonnegative_least_squares(design[:, used], times)
         return StepCost(*(float(c) for c in coefficients))
 
+    def largest_step_tokens(self) -> int:
+        """The most tokens one recorded step computed (0 before any): the fit knows steps up to that size,
+        and the cost of larger ones is an extrapolation."""
+        return max((s.new_tokens for s in self._samples), default=0)
+
     def overrun_ms(self, cost: StepCost, quantile: float = 0.95) -> float:
         """The `quantile` of (actual - predicted) step time over the last `recent` steps, at least 0; 0 with
         fewer than `min_samples` steps recorded."""

@@ -5,14 +5,15 @@ prompt chunk); a prompt chunk leaves one token of the budget for every decode be
 prompt admitted before them never takes a step from the decodes. Waiting sequences are admitted
 after them while the token budget, the sequence cap and the free blocks allow. With a step target
 (the scheduler's ITL target, services/scheduler/batch_policy.py) prompt chunks also share only the
-time the step's decodes leave under it, less the margin by which recent steps overran their
-prediction, priced by the worker's step-cost model from the decodes' actual contexts and each
-chunk's position; and a waiting sequence is admitted only while the decodes' steps, its own
-included, leave `min_prefill_tokens` of room (so the running set is sized from actual contexts, not
-a typical one). A step without decodes gives prompts at least that minimum, so they always
-progress; a step whose decodes fill the target gives them nothing, since a minimum chunk deep in a
-long prompt cost as much as the whole target. When a running sequence needs a block and none is free, the
-most recently admitted running sequence is preempted: its blocks are released and it waits at
+time the step's decodes leave under it (less a fixed headroom for the token's delivery), less the
+margin by which recent steps overran their prediction, priced by the worker's step-cost model from
+the decodes' actual contexts and each chunk's position, in steps of at most twice the tokens of the
+largest step the model was fitted on (past that the fit is an extrapolation); and a waiting
+sequence is admitted only while the decodes' steps, its own included, leave `min_prefill_tokens`
+of room (so the running set is sized from actual contexts, not a typical one). A step without
+decodes gives prompts at least that minimum, so they always progress; a step whose decodes fill the
+target gives them nothing, since a minimum chunk deep in a long prompt cost as much as the whole
+target. When a running sequence needs a block and none is free, the most recently admitted running sequence is preempted: its blocks are released and it waits at
 the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.blocks import ceil_div
-from services.common.step_cost import StepCost
+from services.common.step_cost import StepCost, StepCostFit
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.sequence import Sequence, SequenceStatus
@@ -48,49 +49,74 @@ class SchedulerLimits:
     enable_prefix_cache: bool
 
 
+# The share of the ITL target a step leaves unused. A client sees a token after its step and its
+# delivery (gateway, HTTP: about 35 ms under load), and one step past the target delays every decode in
+# it, a dozen of the run's inter-token gaps: steps sized to the whole target (200 ms) ran 190-225 ms
+# on a quiet 2-core AMD EPYC, and the ITL p99 then landed either side of 250 ms run to run.
+STEP_HEADROOM = 0.2
+# A step may compute at most this many times the tokens of the largest step its cost model was fitted
+# on: the first fit, over steps of the 41-token minimum chunk, priced a 267-token step at 183 ms and it
+# took 409 (the precision's kernels change with the row count, which a linear fit of small steps misses).
+TRUSTED_GROWTH = 2
+
+
 @dataclass(frozen=True, slots=True)
 class StepTarget:
     """Prompt chunks fit a step predicted (by `cost`) to end within `sizing_ms`: `step_ms` less
-    `margin_ms` (how far recent steps overran their prediction), the margin at most half the target. A
-    sequence is admitted while the decodes' steps, its own included, leave `min_prefill_tokens` room, and
-    a step without decodes gives prompts at least that many. Without a cost model yet (a fresh worker)
-    prompts get only the minimum, and admission only the caps."""
+    `margin_ms` (how far recent steps overran their prediction), the margin at most half the target, in
+    steps of at most `max_step_tokens` tokens (None: the token budget alone). A sequence is admitted while
+    the decodes' steps, its own included, leave `min_prefill_tokens` room, and a step without decodes
+    gives prompts at least that many. Without a cost model yet (a fresh worker) prompts get only the
+    minimum, and admission only the caps."""
 
     step_ms: float
     min_prefill_tokens: int
     cost: StepCost | None
     margin_ms: float = 0.0
+    max_step_tokens: int | None = None
 
     @property
     def sizing_ms(self) -> float:
         return self.step_ms - min(self.margin_ms, self.step_ms / 2)
 
     @classmethod
-    def of(cls, step_ms: float, min_prefill_tokens: int, fit: StepCost | None, margin_ms: float = 0.0) -> StepTarget:
-        """The target with the worker's fit, or with none when the fit prices no prompt token (noise on a
-        loaded machine fitted 0 ms a token and 0 a KV entry: such a fit would size chunks without bound)."""
-        usable = fit is not None and (fit.per_token_ms > 0 or fit.per_context_token_ms > 0)
-        return cls(step_ms, min_prefill_tokens, fit if usable else None, margin_ms if usable else 0.0)
+    def of(cls, itl_ms: float, min_prefill_tokens: int, steps: StepCostFit) -> StepTarget:
+        """The target for steps under the ITL target `itl_ms` less the headroom, with the worker's fit of
+        its `steps`, the margin they overran it by and the most tokens they trust it for; with no cost model
+        when the fit prices no prompt token (noise on a loaded machine fitted 0 ms a token and 0 a KV
+        entry: such a fit would size chunks without bound)."""
+        step_ms = itl_ms * (1 - STEP_HEADROOM)
+        fit = steps.fit()
+        if fit is None or (fit.per_token_ms <= 0 and fit.per_context_token_ms <= 0):
+            return cls(step_ms, min_prefill_tokens, None)
+        return cls(step_ms, min_prefill_tokens, fit, steps.overrun_ms(fit), TRUSTED_GROWTH * steps.largest_step_tokens())
 
 
 @dataclass(slots=True)
 class PromptTime:
     """One step under its target: `decodes_ms` the running decodes cost a step (the admitted ones' from
-    the next), `left_ms` what this step has left for prompt chunks, `floor_tokens` what it still owes them."""
+    the next), `left_ms` what this step has left for prompt chunks, `left_tokens` the prompt tokens the
+    fit is trusted for (None: any), `floor_tokens` what it still owes them."""
 
     target: StepTarget
     decodes_ms: float
     left_ms: float
+    left_tokens: int | None
     floor_tokens: int
 
     def room(self, start: int) -> int:
         """Prompt tokens from position `start` this step still has room for."""
         cost = self.target.cost
-        return self.floor_tokens if cost is None else max(cost.largest_chunk(start, self.left_ms), self.floor_tokens)
+        if cost is None:
+            return self.floor_tokens
+        timed = cost.largest_chunk(start, self.left_ms)
+        return max(timed if self.left_tokens is None else min(timed, self.left_tokens), self.floor_tokens)
 
     def spend(self, start: int, tokens: int) -> None:
         if self.target.cost is not None:
             self.left_ms -= self.target.cost.chunk_ms(start, tokens)
+        if self.left_tokens is not None:
+            self.left_tokens = max(0, self.left_tokens - tokens)
         self.floor_tokens = max(0, self.floor_tokens - tokens)
 
     def admits(self, context_tokens: int) -> bool:
@@ -166,15 +192,17 @@ class IterationScheduler:
 
     def _prompt_time(self) -> PromptTime | None:
         """The step's sizing time less the fixed cost and the running decodes' (a decode at position p reads
-        p + 1 entries); the minimum prompt chunk only in a step without decodes."""
+        p + 1 entries), its trusted tokens less the decodes'; the minimum prompt chunk only in a step
+        without decodes."""
         target = self.target
         if target is None:
             return None
         if target.cost is None:
-            return PromptTime(target, 0.0, 0.0, target.min_prefill_tokens)
+            return PromptTime(target, 0.0, 0.0, None, target.min_prefill_tokens)
         decodes = [seq.num_tokens for seq in self.running if seq.num_uncomputed_tokens == 1]
         decodes_ms = sum(target.cost.decode_ms(context) for context in decodes)
-        return PromptTime(target, decodes_ms, target.sizing_ms - target.cost.fixed_ms - decodes_ms,
+        left_tokens = None if target.max_step_tokens is None else max(0, target.max_step_tokens - len(decodes))
+        return PromptTime(target, decodes_ms, target.sizing_ms - target.cost.fixed_ms - decodes_ms, left_tokens,
                           0 if decodes else target.min_prefill_tokens)
 
     @staticmethod

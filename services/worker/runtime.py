@@ -354,9 +354,7 @@ class WorkerRuntime:
         overran it (None: no target); the margin goes to /metrics (tandem:batch_policy{field="step_margin_ms"})."""
         if self.policy.step_target_ms <= 0:
             return None
-        fit = self.step_cost.fit()
-        target = StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, fit,
-                               0.0 if fit is None else self.step_cost.overrun_ms(fit))
+        target = StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost)
         if self.metrics is not None:
             self.metrics.batch_policy("step_margin_ms").set(target.margin_ms)
         return target

@@ -1,8 +1,11 @@
 """Iteration-level batching: which sequences a step runs, and how many tokens each (exact chunks)."""
 
+from collections.abc import Callable
 from dataclasses import replace
 
-from services.common.step_cost import StepCost
+import pytest
+
+from services.common.step_cost import StepCost, StepCostFit
 from services.runtime.batch_scheduler import IterationScheduler, ScheduledChunk, SchedulerLimits, StepTarget
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
@@ -138,8 +141,39 @@ def test_before_the_worker_has_a_cost_model_prompts_take_only_the_minimum() -> N
     assert [s.request_id for s in batches.waiting] == ["short"]
 
 
+def fitted(times: Callable[[int, int], float]) -> StepCostFit:
+    """A fit over 16 steps of 1-16 tokens, each a prompt chunk from position 0 (`times(tokens, reads)` ms)."""
+    steps = StepCostFit(window=64, min_samples=16, warmup=0, recent=16)
+    for tokens in range(1, 17):
+        steps.record(tokens, tokens * (tokens + 1) // 2, times(tokens, tokens * (tokens + 1) // 2))
+    return steps
+
+
+def test_the_target_leaves_the_headroom_and_trusts_the_fit_for_twice_its_largest_step() -> None:
+    steps = fitted(lambda tokens, reads: COST.step_ms(tokens, reads))
+    target = StepTarget.of(200.0, 41, steps)
+    assert (target.step_ms, target.min_prefill_tokens, target.max_step_tokens) == (160.0, 41, 32)
+    assert target.cost.per_token_ms == pytest.approx(1.0) and target.margin_ms == pytest.approx(0.0, abs=1e-9)
+
+
 def test_a_fit_that_prices_no_prompt_token_gives_the_minimum_instead_of_unbounded_chunks() -> None:
-    noise = StepCost(fixed_ms=88.7, per_token_ms=0.0, per_context_token_ms=0.0, per_decode_context_ms=0.26)
-    assert StepTarget.of(200.0, 41, noise, margin_ms=30.0) == StepTarget(200.0, 41, None)
-    assert StepTarget.of(200.0, 41, None) == StepTarget(200.0, 41, None)
-    assert StepTarget.of(200.0, 41, COST, margin_ms=30.0) == StepTarget(200.0, 41, COST, 30.0)
+    noise = fitted(lambda tokens, reads: 100.0 - 0.5 * tokens)  # faster with more tokens: fits 0 ms a token
+    assert noise.fit().per_token_ms == 0.0
+    assert StepTarget.of(200.0, 41, noise) == StepTarget(160.0, 41, None)
+    assert StepTarget.of(200.0, 41, StepCostFit()) == StepTarget(160.0, 41, None)  # no fit yet
+
+
+def test_prompt_chunks_stay_within_the_tokens_the_fit_is_trusted_for() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST, max_step_tokens=12)
+    batches.add(seq("long", 40))
+    batches.add(seq("short", 3))
+    # the time would hold 31 prompt tokens (as without the cap), the fit's trust 12 - 2 decodes = 10;
+    # short is not admitted: no trusted token is left for its chunk
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 10)]
+    assert [s.request_id for s in batches.waiting] == ["short"]
+    batches.remove(batches.running[0])
+    batches.remove(batches.running[0])
+    batches.target = replace(batches.target, max_step_tokens=2)
+    # no decodes: the minimum prompt chunk goes through whatever the trust
+    assert run(batches.schedule()) == [("long", 4)]

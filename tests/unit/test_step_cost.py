@@ -93,6 +93,20 @@ def test_overrun_is_a_quantile_of_the_recent_steps_excess_over_the_prediction() 
     assert fit.overrun_ms(truth) == 0.0  # faster than predicted: no margin, never a negative one
 
 
+def test_the_largest_step_is_the_most_tokens_a_recorded_step_computed_within_the_window() -> None:
+    fit = StepCostFit(window=16, min_samples=16, warmup=1, recent=16)
+    assert fit.largest_step_tokens() == 0
+    fit.record(500, 0, 9000.0)  # a warm-up step: left out
+    fit.record(40, 100, 50.0)
+    fit.record(7, 100, 20.0)
+    assert fit.largest_step_tokens() == 40
+    for _ in range(14):
+        fit.record(9, 100, 21.0)
+    assert fit.largest_step_tokens() == 40  # 16 steps: the 40-token one is the window's oldest
+    fit.record(9, 100, 21.0)
+    assert fit.largest_step_tokens() == 9
+
+
 def test_window_smaller_than_min_samples_is_refused() -> None:
     with pytest.raises(ValueError, match="need window >= min_samples >= 3 steps, warmup >= 0 and 0 < recent"):
         StepCostFit(window=4, min_samples=8)
