@@ -13,8 +13,9 @@ sequence is admitted only while the decodes' steps, its own included, leave `min
 of room (so the running set is sized from actual contexts, not a typical one). A step without
 decodes gives prompts at least that minimum, so they always progress; a step whose decodes fill the
 target gives them nothing, since a minimum chunk deep in a long prompt cost as much as the whole
-target. When a running sequence needs a block and none is free, the most recently admitted running sequence is preempted: its blocks are released and it waits at
-the head of the queue to be recomputed (its tokens so far become its prompt for the KV).
+target. When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are released and it waits at the head of the queue to be
+recomputed (its tokens so far become its prompt for the KV).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class StepTarget:
         fit = steps.fit()
         if fit is None or (fit.per_token_ms <= 0 and fit.per_context_token_ms <= 0):
             return cls(step_ms, min_prefill_tokens, None)
-        return cls(step_ms, min_prefill_tokens, fit, steps.overrun_ms(fit), TRUSTED_GROWTH * steps.largest_step_tokens())
+        return cls(step_ms, min_prefill_tokens, fit, steps.overrun_ms(fit),
+                   TRUSTED_GROWTH * steps.largest_step_tokens())
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """The step-cost model's least-squares fit over recent steps."""
 
+import numpy as np
 import pytest
 
 from services.common.step_cost import StepCost, StepCostFit
@@ -91,6 +92,32 @@ def test_overrun_is_a_quantile_of_the_recent_steps_excess_over_the_prediction() 
     for _ in range(4):
         fit.record(8, 300, truth.step_ms(8, 300) - 3.0)
     assert fit.overrun_ms(truth) == 0.0  # faster than predicted: no margin, never a negative one
+
+
+def test_steps_far_from_the_fit_are_left_out_and_the_rest_fitted_exactly() -> None:
+    truth = StepCost(fixed_ms=20.0, per_token_ms=1.2, per_context_token_ms=0.0015, per_decode_context_ms=0.01)
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
+    for i in range(24):
+        new, context, decode_context = 8 + 13 * (i % 4), 2000 * (i % 3), 150 * (1 + i % 7)
+        slow = 1500.0 if i in (5, 11, 17) else 0.0  # another process held the cores: 10-25x the step
+        fit.record(new, context, truth.step_ms(new, context, decode_context) + slow, decode_context)
+    cost = fit.fit()
+    assert cost is not None
+    assert (cost.fixed_ms, cost.per_token_ms) == (pytest.approx(20.0), pytest.approx(1.2))
+    assert cost.per_context_token_ms == pytest.approx(0.0015)
+    assert cost.per_decode_context_ms == pytest.approx(0.01)
+
+
+def test_steps_within_a_few_ms_of_the_fit_all_count() -> None:
+    fit = StepCostFit(window=64, min_samples=16, warmup=0)
+    tokens = np.arange(10, 30)
+    times = 20.0 + tokens + np.where(tokens % 2 == 1, 1.0, -1.0)  # 1 ms either way: under the 2 ms floor
+    for new, ms in zip(tokens, times):
+        fit.record(int(new), 0, float(ms))
+    cost = fit.fit()
+    assert cost is not None
+    everything, *_ = np.linalg.lstsq(np.column_stack([np.ones(20), tokens]), times, rcond=None)
+    assert (cost.fixed_ms, cost.per_token_ms) == (pytest.approx(everything[0]), pytest.approx(everything[1]))
 
 
 def test_the_largest_step_is_the_most_tokens_a_recorded_step_computed_within_the_window() -> None:
