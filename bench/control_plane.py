@@ -15,7 +15,9 @@ worker's block events take into the store, Redis or embedded), then sends `--req
   - tokens/s delivered to the clients;
   - p99 added latency of routing: from the start of the scheduler's `scheduler.submit` span to the
     start of the worker's request span (the placement reached the worker), from the span files;
-  - the client's p99 time to first token, for scale.
+  - the client's p99 time to first token, for scale;
+  - where the scheduler's CPU per request goes: its event loop's thread against gRPC's own threads
+    (the poller and the event engine's), and the context switches of all its threads, per request.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
   - the prefix hit rate: the run's routes with a prefix hit, from every replica's spans.
 `--schedulers 1,2,4` runs each point with that many replicas (Redis only: they share the registry,
@@ -104,6 +106,10 @@ class Result:
     index_fill_s: float
     loadavg_before: str
     loadavg_after: str
+    # the run's scheduler CPU by thread, per request (whole, not marginal), and its threads' context switches
+    scheduler_loop_ms_per_request: float = float("nan")  # the event loop's thread (the main one)
+    scheduler_grpc_threads_ms_per_request: float = float("nan")  # every other thread: gRPC's poller, event engine
+    scheduler_switches_per_request: float = float("nan")
 
 
 def main() -> int:
@@ -212,11 +218,13 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     pids.update({name: cluster.pid(name) for name in sims})
     idle_rate = idle_cpu_rate([pids[name] for name in replicas])
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
+    threads_before = [thread_use(pids[name]) for name in replicas]
     with profiling(args.profile, point, {name: pids[name] for name in replicas}):
         t0 = time.monotonic()
         outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
         wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    threads = [after - start for name, start in zip(replicas, threads_before) for after in [thread_use(pids[name])]]
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
     hits, routed = prefix_hits(cluster.run_dir, set(outcome.request_ids))
     routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
@@ -244,6 +252,9 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         routes_sampled=routed,
         index_fill_s=round(index_fill_s, 1),
         loadavg_before=load_before, loadavg_after=loadavg(),
+        scheduler_loop_ms_per_request=round(sum(t.loop_s for t in threads) * 1e3 / max(ok, 1), 3),
+        scheduler_grpc_threads_ms_per_request=round(sum(t.others_s for t in threads) * 1e3 / max(ok, 1), 3),
+        scheduler_switches_per_request=round(sum(t.switches for t in threads) / max(ok, 1), 1),
     )
 
 
@@ -364,6 +375,39 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True, slots=True)
+class ThreadUse:
+    """A process's CPU seconds in its main thread (an asyncio service's event loop) and in its other
+    threads, and its threads' context switches (voluntary and not), so far. A thread that ended is
+    no longer counted: take both readings while the process runs steadily."""
+
+    loop_s: float
+    others_s: float
+    switches: int
+
+    def __sub__(self, other: ThreadUse) -> ThreadUse:
+        return ThreadUse(self.loop_s - other.loop_s, self.others_s - other.others_s, self.switches - other.switches)
+
+
+def thread_use(pid: int) -> ThreadUse:
+    """From /proc/<pid>/task/<tid>/stat (utime, stime) and status (ctxt_switches)."""
+    loop_s = others_s = 0.0
+    switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if task.name == str(pid):
+            loop_s += seconds
+        else:
+            others_s += seconds
+        switches += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+    return ThreadUse(loop_s, others_s, switches)
+
+
 def routing_latencies_ms(run_dir: Path, request_ids: set[str]) -> list[float]:
     """Per request: start of its scheduler.submit span to the start of its first worker span."""
     submitted: dict[str, int] = {}
@@ -402,6 +446,9 @@ COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index b
            ("decisions_per_s", "routed/s"), ("scheduler_capacity_rps", "sched cap/s"),
            ("scheduler_idle_ms_per_s", "sched idle ms/s"), ("scheduler_marginal_ms_per_request", "sched ms/req marginal"),
            ("scheduler_saturated_rps", "sched saturated req/s"),
+           ("scheduler_loop_ms_per_request", "sched loop ms/req"),
+           ("scheduler_grpc_threads_ms_per_request", "sched gRPC threads ms/req"),
+           ("scheduler_switches_per_request", "sched switches/req"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
            ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"), ("loadavg_after", "loadavg"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import secrets
 import sys
@@ -205,6 +206,7 @@ async def serve(config: SchedulerConfig) -> None:
                                         slo=slo_policy(config)))
     try:
         await server.start()
+        gc.freeze()  # what start-up built (modules, descriptors, the servicer) stays out of every later collection
         dispatcher.start(min(_MAX_WATCH_INTERVAL_S, config.heartbeat_ttl / _WATCHES_PER_TTL))
         log.info("serving on %s:%d (store %s, queue %d, %d running per worker, heartbeat ttl %.1f s, migration %s, "
                  "%s placement)", config.host, server.port, store.name, config.max_queue, config.max_running,

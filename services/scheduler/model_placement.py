@@ -107,6 +107,14 @@ def holding(record: WorkerRecord, model: str) -> ModelResidency | None:
     return None
 
 
+def holds(record: WorkerRecord, model: str) -> bool:
+    """`holding(record, model) is not None`, without walking a one-model worker's residency (routing
+    asks per worker on every request)."""
+    if not record.info.catalogue and not record.load.models:
+        return model == record.info.model
+    return holding(record, model) is not None
+
+
 def routing_map(records: Iterable[WorkerRecord]) -> dict[str, list[str]]:
     """Model -> the ids of the workers where it is resident or loading, each list in record order."""
     holders: dict[str, list[str]] = {}
@@ -172,7 +180,7 @@ def prefer_holders(ranked: Sequence[str], records: Mapping[str, WorkerRecord], m
     model name keeps the router's order."""
     if not model:
         return list(ranked)
-    holders = [w for w in ranked if holding(records[w], model) is not None]
+    holders = [w for w in ranked if holds(records[w], model)]
     if policy is ModelPlacement.LATENCY or len(holders) == len(ranked):
         return holders
     held = set(holders)

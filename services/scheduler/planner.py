@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -131,7 +131,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     decode_candidates = _candidates(registry, loads, decode, {})
     workers = {r.info.worker_id: r for r in records}
 
-    def holders_first(scores: list[Score], room: list[str]) -> list[Score]:
+    def holders_first(scores: list[Score], room: Iterable[str]) -> list[Score]:
         ranked = [s.worker_id for s in scores]
         order = prefer_holders(ranked, workers, request.model, room, registry.model_placement)
         if order == ranked:  # every candidate holds the model (one-model workers): the router's order stands
@@ -140,7 +140,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
         return [by_id[w] for w in order]
 
     prefill_room = (_with_room(prefill_candidates, prompt_tokens + 1) if colocated  # a prefill worker holds no KV
-                    else [c.worker_id for c in prefill_candidates])
+                    else (c.worker_id for c in prefill_candidates))
     plan = RoutePlan(
         colocated=bool(colocated),
         prefill=holders_first(rank_prefill(prefill_candidates, prompt_tokens, use_prefix=not degraded), prefill_room),
@@ -189,9 +189,10 @@ def _local_prefill(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
     return [r for r in records if r.info.local_prefill]
 
 
-def _with_room(candidates: Iterable[Candidate], num_tokens: int) -> list[str]:
-    """The workers with the free KV blocks for `num_tokens` now."""
-    return [c.worker_id for c in candidates if c.free_blocks >= blocks_for(num_tokens, c.block_size)]
+def _with_room(candidates: Iterable[Candidate], num_tokens: int) -> Iterator[str]:
+    """The workers with the free KV blocks for `num_tokens` now, lazily: prefer_holders reads them only
+    when some candidate lacks the model (never with one-model workers, on every route)."""
+    return (c.worker_id for c in candidates if c.free_blocks >= blocks_for(num_tokens, c.block_size))
 
 
 def _with_role(records: Iterable[WorkerRecord], role: WorkerRole) -> list[WorkerRecord]:
@@ -229,13 +230,17 @@ def _chain_model(request: scheduler_pb2.SubmitRequest, record: WorkerRecord) -> 
 def _candidates(registry: WorkerRegistry, loads: WorkerLoads, records: Iterable[WorkerRecord],
                 matched: dict[str, int]) -> list[Candidate]:
     """The workers as routing sees them, `matched` their leading cached blocks. (One pass with the
-    loads' lookups bound once: routing builds one per worker on every request.)"""
-    running, queued, cached = loads.running, loads.queued_prefill_tokens, matched.get
+    loads' tables bound once, and _free_blocks only where this scheduler reserved: routing builds one
+    per worker on every request.)"""
+    running, queued, cached = loads.generating.get, loads.queued_prefill.get, matched.get
+    reserving, reported_free = loads.reservations, registry.free_blocks
     candidates = []
     for record in records:
-        worker_id = record.info.worker_id
-        candidates.append(Candidate(worker_id, record.info.block_size, _free_blocks(registry, loads, record),
-                                    running(worker_id), queued(worker_id), cached(worker_id, 0)))
+        info = record.info
+        worker_id = info.worker_id
+        free = _free_blocks(registry, loads, record) if worker_id in reserving else reported_free(record)
+        candidates.append(Candidate(worker_id, info.block_size, free, running(worker_id, 0), queued(worker_id, 0),
+                                    cached(worker_id, 0)))
     return candidates
 
 

@@ -10,7 +10,7 @@ from services.common.errors import FailedPrecondition
 from services.common.store import ModelResidency, ModelState, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.model_placement import (
     Action, ActionKind, ModelPlacement, ReplicaRule, can_serve, cold_start, coldest_idle_ms, loader_order,
-    prefer_holders, provisioned, rebalance, routing_map, serving,
+    holding, holds, prefer_holders, provisioned, rebalance, routing_map, serving,
 )
 
 COST, LATENCY = ModelPlacement.COST, ModelPlacement.LATENCY
@@ -47,6 +47,17 @@ def test_a_worker_serves_its_catalogue_or_its_one_model() -> None:
     assert can_serve(worker("w", catalogue=("a", "b")), "b")
     assert not can_serve(worker("w", catalogue=("a", "b")), "c")
     assert can_serve(one_model("old", "smol"), "smol") and not can_serve(one_model("old", "smol"), "a")
+
+
+def test_holds_says_what_holding_finds_for_every_kind_of_worker() -> None:
+    one_model_loaded = WorkerRecord(one_model("old", "smol").info, WorkerLoad(models=(resident("tiny"),)))
+    records = [worker("w0", resident("a"), resident("b", state=ModelState.LOADING)), worker("w1"),
+               one_model("w2", "smol"), one_model_loaded]
+    answers = {(r.info.worker_id, m): holds(r, m) for r in records for m in ("a", "b", "smol", "tiny")}
+    assert answers == {(r.info.worker_id, m): holding(r, m) is not None for r in records
+                       for m in ("a", "b", "smol", "tiny")}
+    assert [key for key, held in answers.items() if held] == [("w0", "a"), ("w0", "b"), ("w2", "smol"),
+                                                               ("old", "tiny")]
 
 
 def test_the_routing_map_lists_resident_and_loading_copies_and_one_model_workers() -> None:
