@@ -3,11 +3,15 @@
 `--dtype` and `--quantization` name a `Precision`; `auto` in either one leaves the choice to the
 machine. On CUDA auto means bfloat16 with dense weights. On a CPU it means the probe
 (services/runtime/precision_probe.py): the model's own matrix shapes are timed at the batch sizes a
-worker sees, and `choose` keeps the candidate that is fastest overall among those never much slower
-than float32 at any size. With both flags auto a candidate may also be a hybrid: quantized weights
-for small batches (decode, where reading weights is the cost) and a dense copy from the batch size
-on which the probe found dense faster (prefill, where arithmetic is). Nothing is assumed about a
-CPU: the same bf16 kernels are several times faster than fp32 on one server and far slower on another.
+worker sees, relative to float32. With both flags auto a quantized candidate becomes a hybrid:
+quantized weights for small batches (decode, where reading weights is the cost) and a dense copy
+from the first batch size at which the probe found dense as fast, within MARGIN (prefill, where
+arithmetic is). `choose` then keeps the candidate that is fastest overall among those never much
+slower than float32 at any size, unless one with smaller weights is within MARGIN of it. So a
+measurement overturns what the hardware's balance predicts (fewer bytes win where weights are read,
+dense kernels where arithmetic is) only by a clear margin, and a probe on a loaded machine does not
+flip between near-equal formats. Nothing else is assumed about a CPU: the same bf16 kernels are
+several times faster than fp32 on one server and far slower on another.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 # A candidate may be up to this much slower than float32 at one batch size and still win overall.
 RUNS_WELL = 1.5
+# Options whose overall times are within this fraction of the fastest's count as a tie, which the
+# smaller weights win: they leave more memory to the KV cache, their lead grows with the model (a
+# decode step reads every weight), and a few percent between two formats is within what a probe on a
+# loaded machine can tell apart.
+MARGIN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +70,7 @@ class Choice:
 def resolve(dtype: str, quantization: str, device: torch.device | str, config: ModelConfig,
             prefill_rows: int, cache_dir: Path | None = None) -> Choice:
     """The precision for these flags; runs (or reads the cached) probe when a CPU choice is left open.
-    Probes with torch's current thread count, so set it first. ValueError names a bad combination."""
+    ValueError names a bad combination."""
     device = torch.device(device)
     options = candidates(dtype, quantization)
     if device.type != "cpu":  # no probe off the CPU: bfloat16, dense weights
@@ -76,11 +85,11 @@ def resolve(dtype: str, quantization: str, device: torch.device | str, config: M
         return Choice(options[0], "given" if given else f"auto on {device.type}")
     from services.runtime.precision_probe import ProbeSetup, cached_probe
 
-    setup = ProbeSetup.for_model(config, (1, 8, 32, prefill_rows), torch.get_num_threads())
-    by_name, source = cached_probe(setup, cache_dir)
-    times = {option: by_name[option.name] for option in options}
-    times.update(hybrids(times, setup.rows))
-    return Choice(choose(times, by_name[FLOAT32.name]), f"auto: {source}")
+    setup = ProbeSetup.for_model(config, (1, 8, 32, prefill_rows))
+    probe, source = cached_probe(setup, cache_dir)
+    relative = with_dense_copies({option: probe.relative[option.name] for option in options}, setup.rows)
+    chosen = choose(relative)
+    return Choice(chosen, f"auto: {source}; {explain(relative, chosen, setup.rows)}")
 
 
 def candidates(dtype: str, quantization: str) -> list[Precision]:
@@ -92,34 +101,64 @@ def candidates(dtype: str, quantization: str) -> list[Precision]:
             if (dtype == "auto" or p.dtype == DTYPES[dtype]) and quantization in ("auto", p.quantization)]
 
 
-def hybrids(times: dict[Precision, list[float | None]], rows: tuple[int, ...]) -> dict[Precision, list[float | None]]:
-    """Each quantized option whose dense sibling is also an option, switched to the dense copy from
-    the first probed size at which that was faster (none where one format wins at every size)."""
-    found: dict[Precision, list[float | None]] = {}
-    for option, quantized in times.items():
-        dense = times.get(Precision(option.dtype))
-        if option.quantization == "none" or dense is None:
-            continue
-        switch = next((i for i, (q, d) in enumerate(zip(quantized, dense))
-                       if d is not None and (q is None or d < q)), None)
-        if switch is None or switch == 0:
-            continue
-        found[replace(option, dense_from_rows=rows[switch])] = quantized[:switch] + dense[switch:]
-    return found
+def with_dense_copies(relative: dict[Precision, list[float | None]],
+                      rows: tuple[int, ...]) -> dict[Precision, list[float | None]]:
+    """The options, each quantized one whose dense sibling is also an option made a hybrid: its
+    dense copy runs from the first probed size at which the dense sibling was faster or within MARGIN
+    of it (where the two tie, the dense kernels, made for arithmetic, keep the larger batches)."""
+    made: dict[Precision, list[float | None]] = {}
+    for option, quantized in relative.items():
+        dense = relative.get(Precision(option.dtype))
+        ties = [] if option.quantization == "none" or dense is None else [
+            i for i, (q, d) in enumerate(zip(quantized, dense)) if d is not None and (q is None or d <= q * (1 + MARGIN))]
+        if not ties or ties[0] == 0:
+            made[option] = quantized
+        else:
+            made[replace(option, dense_from_rows=rows[ties[0]])] = quantized[:ties[0]] + dense[ties[0]:]
+    return made
 
 
-def choose(times: dict[Precision, list[float | None]], baseline: list[float | None]) -> Precision:
-    """The option with the least geometric-mean time relative to float32 (`baseline`) over the probed
+def choose(relative: dict[Precision, list[float | None]]) -> Precision:
+    """The option with the least geometric mean of its times relative to float32 over the probed
     batch sizes, preferring those that ran every size within RUNS_WELL of float32; the first on a tie.
-    `times[option][i]` is milliseconds at the i-th size, None where the probe stopped timing it."""
-    def rank(option: Precision) -> tuple[bool, float]:
-        measured = times[option]
-        if None in measured:
-            return True, math.inf
-        ratios = [t / b for t, b in zip(measured, baseline)]
-        return max(ratios) > RUNS_WELL, math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    Of the options within MARGIN of it, though, the one with the smallest weights (a hybrid counts as
+    its quantized format), so that noise between near-equal formats does not flip the choice.
+    `relative[option][i]` is its time over float32's at the i-th size, None where the probe stopped timing it."""
+    best = min(relative, key=lambda option: _rank(relative[option]))
+    runs_well, score = _rank(relative[best])
+    if math.isinf(score):
+        return best
+    near = [option for option in relative if _rank(relative[option]) <= (runs_well, score * (1 + MARGIN))]
+    return min(near, key=lambda option: (weight_bits(option), _rank(relative[option])))
 
-    return min(times, key=rank)
+
+def explain(relative: dict[Precision, list[float | None]], chosen: Precision, rows: tuple[int, ...]) -> str:
+    """The figures that decided: the chosen option's and the fastest other's, relative to float32."""
+    sizes = "/".join(str(r) for r in rows)
+    others = [option for option in relative if option != chosen and not math.isinf(_rank(relative[option])[1])]
+    line = f"{_figures(chosen, relative[chosen])} of float32's time at {sizes} rows"
+    if not others:
+        return line
+    other = min(others, key=lambda option: _rank(relative[option]))
+    kept = " (within the margin: the smaller weights kept)" if _rank(relative[other]) < _rank(relative[chosen]) else ""
+    return f"{line}; next {_figures(other, relative[other])}{kept}"
+
+
+def weight_bits(option: Precision) -> int:
+    """Bits a weight takes in the option's stored format."""
+    return {"int4": 4, "int8": 8}.get(option.quantization) or torch.finfo(option.dtype).bits
+
+
+def _rank(relative: list[float | None]) -> tuple[bool, float]:
+    """(whether it ran some size more than RUNS_WELL slower than float32, its geometric mean); inf if unfinished."""
+    if None in relative:
+        return True, math.inf
+    return max(relative) > RUNS_WELL, math.exp(sum(math.log(r) for r in relative) / len(relative))
+
+
+def _figures(option: Precision, relative: list[float | None]) -> str:
+    each = "/".join("-" if r is None else f"{r:.2f}" for r in relative)
+    return f"{option.name} {_rank(relative)[1]:.3f} ({each})"
 
 
 def _explain_empty(dtype: str, quantization: str, device: torch.device) -> None:
