@@ -161,6 +161,8 @@ class InflightTable:
                     placement.prompt_tokens - placement.uncached_tokens, placement.uncached_tokens)
             if (generator := placement.generator_id) is not None:
                 loads.generating[generator] = loads.generating.get(generator, 0) + 1
+                loads.generating_context[generator] = (loads.generating_context.get(generator, 0)
+                                                       + placement.prompt_tokens)
             if placement.decode is not None and placement.reserved_blocks:
                 loads.reservations.setdefault(placement.decode.info.worker_id, []).append(
                     (placement.reserved_at, placement.reserved_blocks))
@@ -174,6 +176,7 @@ class WorkerLoads:
     queued_prefill: dict[str, int] = field(default_factory=dict)
     queued_reads: dict[str, int] = field(default_factory=dict)  # the KV entries those prompt tokens' chunks read
     generating: dict[str, int] = field(default_factory=dict)
+    generating_context: dict[str, int] = field(default_factory=dict)  # their prompt tokens: KV their decodes read
     reservations: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # decode worker -> (at, blocks)
 
     def queued_prefill_tokens(self, worker_id: str) -> int:
@@ -187,6 +190,10 @@ class WorkerLoads:
     def running(self, worker_id: str) -> int:
         """Requests generating (or about to) on the decode or colocated worker."""
         return self.generating.get(worker_id, 0)
+
+    def running_context(self, worker_id: str) -> int:
+        """The prompt tokens of those requests: the KV entries their decodes read at least."""
+        return self.generating_context.get(worker_id, 0)
 
     def reserves_on(self, worker_id: str) -> bool:
         """Whether requests in flight hold a reservation on the decode worker."""

@@ -168,7 +168,8 @@ def _place_prefill(plan: RoutePlan, placement: PrefillPlacement, loads: WorkerLo
     queued = loads.queued_prefill_tokens(target.worker_id)
     uncached = prompt_tokens - cached_tokens(cached_blocks, info.block_size, prompt_tokens)
     inputs = PrefillInputs(uncached_tokens=uncached, queued_tokens=queued, running=target.running,
-                           remote_available=bool(plan.prefill), queued_reads=loads.queued_prefill_reads(target.worker_id))
+                           remote_available=bool(plan.prefill), running_context=loads.running_context(target.worker_id),
+                           queued_reads=loads.queued_prefill_reads(target.worker_id))
     remote = plan.prefill[0] if plan.prefill else None
     if remote is not None:  # the best ranked prefill worker's queue, for the first-token times
         remote_cached = cached_tokens(remote.cached_blocks, plan.workers[remote.worker_id].info.block_size,

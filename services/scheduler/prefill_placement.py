@@ -5,16 +5,16 @@ costs them inter-token latency, while a remote one costs a KV transfer and a wai
 worker's queue. By the decode worker's step-cost model (services/common/step_cost.py), its next step
 with the prompt's uncached tokens and the prompt tokens already queued there (P in all) takes
 
-    fixed + R * decode_ms(context) + chunk_ms(0, P)     R: its running sequences
+    fixed + R * per_token + per_decode_context * C + chunk_ms(0, P)     R: its running sequences
 
-its decodes each reading `context` KV entries at the decode rate, the prompt's P * (P + 1) / 2 at
-the prompt chunks' rate. When that stays within the ITL target (--slo-itl-ms) the request prefills
+its decodes reading C KV entries at the decode rate (the prompts of the requests this scheduler has
+generating there, or `context` each), the prompt's P * (P + 1) / 2 at the prompt chunks' rate. When that stays within the ITL target (--slo-itl-ms) the request prefills
 locally in one step and its KV never moves. Otherwise, with a TTFT target (--slo-ttft-ms), the two
 first-token times decide. Under the SLO policy the decode worker cuts prompts into chunks that keep
 each step within the ITL target, so a local prefill's work W (the queued prompts' and this one's
 tokens and chunk KV reads at its rates) goes in the room its decodes leave a step,
 
-    local TTFT  = ceil(W / (itl - fixed - R * decode_ms(context))) * itl
+    local TTFT  = ceil(W / (itl - fixed - R * per_token - per_decode_context * C)) * itl
 
 and a remote one waits for the prompts queued on the prefill worker, then computes, at that
 worker's rates (the decode worker's until it has reported its own: the same model)
@@ -26,7 +26,9 @@ worker would; else remotely: a prompt that misses the target either way goes whe
 decode steps short. (The prefill worker's queue behind long prompts was where hybrid lost its
 goodput: short prompts sent there waited seconds while the decode worker had room.) Until the
 decode worker reports a cost model, or without an ITL target, the prompt-length rule stands in:
-locally when P is at most `local_tokens`. With no prefill worker, always locally.
+locally when P is at most `local_tokens`, or, with a TTFT target, when the prompt alone is and fewer
+prompt tokens are queued on the decode worker than on the prefill worker (a short prompt joins the
+shorter queue). With no prefill worker, always locally.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class PrefillInputs:
     queued_tokens: int  # prompt tokens already queued to prefill on the decode worker
     running: int  # sequences generating on the decode worker
     remote_available: bool  # a live prefill worker serves the model
+    running_context: int | None = None  # the KV entries their decodes read (None: `context_tokens` each)
     queued_reads: int = 0
     remote_tokens: int = 0  # prompt tokens the prefill worker would compute (its prefix-cache hit taken off)
     remote_queued_tokens: int = 0  # prompt tokens queued on the prefill worker
@@ -122,7 +125,9 @@ class PlacementPolicy:
         if not inputs.remote_available:
             return PrefillDecision(PrefillSite.LOCAL, Reason.NO_PREFILL_WORKER, inputs)
         if cost is None or self.itl_ms <= 0:
-            short = inputs.prefill_tokens <= self.local_tokens
+            short = inputs.prefill_tokens <= self.local_tokens or (
+                self.ttft_ms > 0 and inputs.uncached_tokens <= self.local_tokens
+                and inputs.queued_tokens <= inputs.remote_queued_tokens)
             return PrefillDecision(PrefillSite.LOCAL if short else PrefillSite.REMOTE,
                                    Reason.SHORT_PROMPT if short else Reason.LONG_PROMPT, inputs)
         step = self.next_step_ms(cost, inputs)
@@ -139,13 +144,17 @@ class PlacementPolicy:
 
     def next_step_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
         """The decode worker's next step with its running decodes and the whole local prefill in it."""
-        return (cost.fixed_ms + inputs.running * cost.decode_ms(self.context_tokens)
-                + cost.chunk_ms(0, inputs.prefill_tokens))
+        return cost.fixed_ms + self.decodes_ms(cost, inputs) + cost.chunk_ms(0, inputs.prefill_tokens)
+
+    def decodes_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
+        """What the decode worker's running decodes add to each step."""
+        context = inputs.running * self.context_tokens if inputs.running_context is None else inputs.running_context
+        return inputs.running * cost.per_token_ms + context * cost.per_decode_context_ms
 
     def local_ttft_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
         """The first token of a local prefill chunked into the room the decodes leave each step
         within the ITL target (inf: they leave none)."""
-        room = self.itl_ms - cost.fixed_ms - inputs.running * cost.decode_ms(self.context_tokens)
+        room = self.itl_ms - cost.fixed_ms - self.decodes_ms(cost, inputs)
         work = _prefill_ms(cost, inputs.queued_tokens, inputs.queued_reads, inputs.uncached_tokens)
         if room <= 0:
             return math.inf

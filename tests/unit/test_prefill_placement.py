@@ -111,6 +111,20 @@ def test_both_queues_count_their_tokens_and_the_kv_their_chunks_read_and_the_pre
     assert placement.decide("d-0", long).remote_ttft_ms == 110.0  # no prefill worker's model: the decode worker's
 
 
+def test_the_decodes_read_the_contexts_the_scheduler_counted_when_it_has_them() -> None:
+    cost = StepCost(fixed_ms=10.0, per_token_ms=0.1, per_context_token_ms=0.0, per_decode_context_ms=0.01)
+    # 10 + 0.1 * 2 + 0.01 * 300 + 0.1 * 100 (against 0.01 * 2 * 1,024 without the count)
+    assert ITL.next_step_ms(cost, inputs(100, running=2, running_context=300)) == pytest.approx(23.2)
+
+
+def test_before_a_cost_model_with_a_ttft_target_a_short_prompt_joins_the_shorter_queue() -> None:
+    assert TTFT.decide(inputs(200, queued=57, remote_queued_tokens=57), None) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.SHORT_PROMPT, inputs(200, queued=57, remote_queued_tokens=57))
+    assert TTFT.decide(inputs(200, queued=57, remote_queued_tokens=56), None).reason is Reason.LONG_PROMPT
+    assert TTFT.decide(inputs(257, remote_queued_tokens=5000), None).reason is Reason.LONG_PROMPT  # not short itself
+    assert ITL.decide(inputs(200, queued=57, remote_queued_tokens=5000), None).reason is Reason.LONG_PROMPT  # no TTFT
+
+
 def test_without_a_cost_model_or_an_itl_target_the_prompt_length_rule_decides() -> None:
     assert ITL.decide(inputs(256), None).reason is Reason.SHORT_PROMPT
     assert ITL.decide(inputs(257), None).reason is Reason.LONG_PROMPT
@@ -192,7 +206,7 @@ async def test_the_decode_workers_prefix_hit_shortens_the_prompt_it_would_prefil
     await registry.report_blocks("d-0", hash_chain(prompt, BLOCK, model="smol")[:4], [])
     plan = await plan_route(registry, InflightTable(), submit(prompt), short_rule())
     assert plan.colocated and plan.prefill == [Score("d-0", 19.0, cached_blocks=4, free_blocks=1000)]
-    assert plan.placement.inputs == inputs(19, remote_tokens=83)  # the prefill worker caches none of it
+    assert plan.placement.inputs == inputs(19, running_context=0, remote_tokens=83)  # p-0 caches none of it
 
 
 async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_decide() -> None:
@@ -208,7 +222,8 @@ async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_
     plan = await plan_route(registry, inflight, submit([7] * 30), placement)  # 10 + 1 + 15 + 30 = 56 ms
     assert not plan.colocated and plan.prefill[0].worker_id == "p-0"
     assert (plan.placement.reason, plan.placement.step_ms) == (Reason.OVER_ITL, 56.0)
-    assert plan.placement.inputs == inputs(30, queued=15, running=1, queued_reads=15 * 16 // 2, remote_tokens=30)
+    assert plan.placement.inputs == inputs(30, queued=15, running=1, running_context=15, queued_reads=15 * 16 // 2,
+                                           remote_tokens=30)
 
     placement.observe("d-0", None)  # the worker lost its model (restarted): the prompt-length rule again
     plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)
@@ -224,7 +239,8 @@ async def test_the_prefill_workers_queue_weighs_against_a_local_prefill_in_chunk
     inflight.add(RequestState(queued.request, Deadline(), trace.INVALID_SPAN, Ending("q"), queued))
     plan = await plan_route(registry, inflight, submit([7] * 60), placement)
     reads = 884 * 16 + 884 * 885 // 2  # its chunks' tokens from position 16 on
-    assert plan.placement.inputs == inputs(60, remote_tokens=60, remote_queued_tokens=884, remote_queued_reads=reads)
+    assert plan.placement.inputs == inputs(60, running_context=0, remote_tokens=60, remote_queued_tokens=884,
+                                           remote_queued_reads=reads)
     # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 40 ms room: 2 steps; remotely: 10 + 944 + 0.001 * (reads + 1,830)
     assert plan.colocated and plan.placement.reason is Reason.LOCAL_SOONER
     assert (plan.placement.local_ttft_ms, plan.placement.remote_ttft_ms) == (100.0, pytest.approx(10 + 944 + 0.001 * (reads + 1830)))
