@@ -51,9 +51,10 @@ class SchedulerLimits:
 
 
 # The share of the ITL target a step leaves unused. A client sees a token after its step and its
-# delivery (gateway, HTTP: about 35 ms under load), and one step past the target delays every decode in
-# it, a dozen of the run's inter-token gaps: steps sized to the whole target (200 ms) ran 190-225 ms
-# on a quiet 2-core AMD EPYC, and the ITL p99 then landed either side of 250 ms run to run.
+# delivery (gateway, HTTP: a client's gap less its one step, p99 10-30 ms in four traced c16-long runs),
+# and one step past the target delays every decode in it, a dozen of the run's inter-token gaps: steps
+# sized to the whole target (200 ms) ran 190-225 ms on a quiet 2-core AMD EPYC, and the ITL p99 then
+# landed either side of 250 ms run to run.
 STEP_HEADROOM = 0.2
 # A step may compute at most this many times the tokens of the largest step its cost model was fitted
 # on: the first fit, over steps of the 41-token minimum chunk, priced a 267-token step at 183 ms and it
