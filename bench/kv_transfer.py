@@ -25,7 +25,7 @@ stream reports, the decode step (the median gap between the request's later toke
 transfer's share of that step. Print `cat /proc/loadavg` beside the figures; run under `flock
 /tmp/tandem-bench.lock`.
 Run: `.venv/bin/python bench/kv_transfer.py [--tokens 100,1000] [--repeats 20] [--reused 0.9] [--json]`
-or `.venv/bin/python bench/kv_transfer.py --mesh 3`.
+or `.venv/bin/python bench/kv_transfer.py --mesh 3 [--mesh-transport auto]`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ MAX_MESSAGE = 64 << 20
 # Between two layers of a prefill's last chunk (a sleep: the receiver keeps the CPU it would share).
 # Far below the real forward pass: 1,000 tokens take ~70 ms a layer on one loaded Zen 4 core.
 LAYER_GAP_S = 0.005
+MESH_TRANSPORTS = ("grpc", "auto")  # --mesh's TANDEM_KV_TRANSPORT values: auto takes the same-host path
 MESH_TOKENS = 16  # per mesh request: the gaps between its later tokens are its decode steps
 
 
@@ -285,8 +286,8 @@ def _mesh_run(transport: str, requests: int) -> MeshFigure:
                       statistics.median(s[4] for s in samples) * 1000)
 
 
-def main_mesh(requests: int, as_json: bool) -> None:
-    figures = [_mesh_run(transport, requests) for transport in ("grpc", "auto")]
+def main_mesh(requests: int, as_json: bool, transports: list[str]) -> None:
+    figures = [_mesh_run(transport, requests) for transport in transports]
     loadavg = Path("/proc/loadavg").read_text().strip()
     if as_json:
         mesh = [{**asdict(f), "share_of_step": f.share_of_step} for f in figures]
@@ -308,10 +309,12 @@ def main() -> None:
                         help="fraction of the prompt's blocks the receiver holds in the reuse case")
     parser.add_argument("--mesh", type=int, metavar="N", default=0,
                         help="time N requests of a 1,000-word prompt through a disaggregated mesh per transport")
+    parser.add_argument("--mesh-transport", choices=MESH_TRANSPORTS, action="append", default=[],
+                        help="with --mesh: the transports to time, in order; repeatable (default: grpc, then auto)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.mesh:
-        main_mesh(args.mesh, args.json)
+        main_mesh(args.mesh, args.json, args.mesh_transport or list(MESH_TRANSPORTS))
         return
     model_dir = str(default_model_dir())
     port = multiprocessing.get_context("spawn").Value("i", 0)

@@ -69,6 +69,13 @@ class Received:
     bytes: int = 0
     blocks: int = 0
 
+    @property
+    def complete(self) -> bool:
+        """The first token and every chunk the header announced are in: nothing the stream may still
+        carry is needed (a header that announces no count is complete only at the stream's end)."""
+        expected = self.header.num_chunks
+        return bool(self.header.output_token_ids) and expected > 0 and self.chunks == expected
+
 
 class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                      kv_transfer_pb2_grpc.KvTransferServiceServicer):
@@ -234,16 +241,21 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
     async def _import_all(self, reservation: Reservation, first, rest, segment: mmap.mmap | None) -> Received:
         """Imports every chunk of the stream. The header is the first message's, completed by the last
         message's when the first lacks the first token (a sender that streamed layers while its
-        prefill computed); `started` is when the first token arrived."""
+        prefill computed); `started` is when the first token arrived. Returns once the last chunk the
+        header announced is in, without waiting for the sender to half-close the stream: on a loaded
+        machine that wait was a round of both event loops after the first token."""
         received = Received(header=first.header)
         self._import(reservation, first, received, segment)
-        async for message in rest:
-            if reservation.cancelled:
-                break
-            if message.HasField("header") and not received.header.output_token_ids:
-                received.header = _completed(first.header, message.header)
-                received.started = time.monotonic()
-            self._import(reservation, message, received, segment)
+        if not received.complete:
+            async for message in rest:
+                if reservation.cancelled:
+                    break
+                if message.HasField("header") and not received.header.output_token_ids:
+                    received.header = _completed(first.header, message.header)
+                    received.started = time.monotonic()
+                self._import(reservation, message, received, segment)
+                if received.complete:
+                    break
         if reservation.cancelled:
             return received
         if not received.header.output_token_ids:

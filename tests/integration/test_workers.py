@@ -601,6 +601,34 @@ def test_a_streamed_push_cut_before_its_first_token_admits_nothing(mesh):
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
+def test_a_push_is_admitted_once_its_announced_chunks_are_in_while_the_sender_keeps_the_stream_open(mesh):
+    """The decode worker admits the request when the last chunk the header announced is in, without
+    waiting for the sender to half-close the stream: on a loaded machine that wait was a round of
+    both event loops after the first token."""
+    reserve(mesh, "open-stream", [1, 2, 3])
+    mesh.recorder.read(mesh.decode, "open-stream")
+    header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=[1, 2, 3], output_token_ids=[4], num_chunks=1,
+                                             sampling=sampling(max_tokens=3))
+    chunk = kv_transfer_pb2.KvChunk(request_id="open-stream", header=header, layer=0, num_layers=NUM_LAYERS,
+                                    first_block=0, num_blocks=1, dtype="float32", shape=[2, 1, 16, 3, 64],
+                                    data=bytes(BLOCK_BYTES))
+    acknowledged = threading.Event()
+
+    def sender() -> Iterator[kv_transfer_pb2.KvChunk]:
+        yield chunk
+        acknowledged.wait(120)  # the stream stays open until the ack came (or the test gave up)
+
+    push = kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel).Push.future(sender(), timeout=120)
+    try:
+        ack = push.result(timeout=60)
+    finally:
+        acknowledged.set()
+    assert (ack.admitted, ack.chunks, ack.bytes, ack.blocks) == (True, 1, BLOCK_BYTES, 1)
+    events = mesh.recorder.stream("open-stream")  # the decode worker's: after the first token, sent with the KV
+    assert events[0].output_offset == 1 and sum(len(e.token_ids) for e in events) == 2
+    assert wait_idle(mesh.decode).reserved_blocks == 0
+
+
 def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     prompt = parity_prompts[3]
     reservation = reserve(mesh, "long-run", prompt)
