@@ -11,8 +11,8 @@ ratios, and a round that it hit unevenly is outvoted. The probe computes on one 
 by that thread's CPU time, so time that other work takes the core away counts for nothing. The
 formats' kernels (oneDNN's, the native ones) all split their rows over torch's threads, so their
 ratios on one thread hold on more; timed on several by the wall clock, a shared machine's scheduler
-decides instead (2 threads beside two busy loops: bf16 measured 4 to 8 times float32's time at
-one row, against 0.5 to 0.9 on one thread by its CPU time).
+decides instead (2 threads beside two busy loops: bf16 measured 2.2 to 7.1 times float32's time
+at one row, against 0.7 to 0.9 on one thread by its CPU time).
 A candidate whose figure is more than RUNS_WELL times float32's leaves the race (later sizes None):
 it can no longer win (precision.choose), and bf16 on a CPU without bf16 hardware would take minutes.
 The cache key is the CPU model and flags, the torch version, which native build runs (none, or its
