@@ -3,9 +3,9 @@
 The model (services/common/step_cost.py) prices a step from its tokens, its prompt chunks' KV reads
 and its decodes' KV reads. Every step gives each running decode its token before prompt chunks
 share what is left (services/runtime/batch_scheduler.py), and the worker sizes those chunks each step
-with its own cost model so the step is predicted to end within the ITL target (the step target),
-from its decodes' actual contexts. The policy sets the rest, for a decode reading `context` entries
-and a typical prompt's chunks:
+with its own cost model so the step is predicted to end within the ITL target (the step target, less
+the headroom the worker keeps for the token's delivery), from its decodes' actual contexts. The
+policy sets the rest, for a decode reading `context` entries and a typical prompt's chunks:
 
     prompt share  P = ceil(typical prompt * itl / ttft)   prompt tokens every step computes at least,
                       so a typical prompt prefills within the TTFT target in steps of the ITL target
