@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="largest prompt chunk in one worker iteration, for every worker (0: each keeps its --chunk-size)")
     add_option(parser, "--slo-ttft-ms", type=float, default=0.0,
                help="time-to-first-token target; with --slo-itl-ms, each worker's batching policy is set from "
-                    "the step-cost model it reports so a step meets them (0: off)")
+                    "the step-cost model it reports so a step meets them, and a hybrid decode worker prefills a "
+                    "prompt itself, in chunks, when that meets it sooner than a prefill worker (0: off)")
     add_option(parser, "--slo-itl-ms", type=float, default=0.0,
                help="inter-token latency target: the token budget of a step that must finish within it (0: off)")
     add_option(parser, "--slo-context-tokens", type=int, default=1024,
