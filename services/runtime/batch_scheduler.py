@@ -62,6 +62,11 @@ STEP_HEADROOM = 0.2
 TRUSTED_GROWTH = 2
 
 
+def aimed_step_ms(itl_ms: float) -> float:
+    """The time a step is sized to under the ITL target `itl_ms`: the target less the headroom."""
+    return itl_ms * (1 - STEP_HEADROOM)
+
+
 @dataclass(frozen=True, slots=True)
 class StepTarget:
     """Prompt chunks fit a step predicted (by `cost`) to end within `sizing_ms`: `step_ms` less
@@ -87,7 +92,7 @@ class StepTarget:
         its `steps`, the margin they overran it by and the most tokens they trust it for; with no cost model
         when the fit prices no prompt token (noise on a loaded machine fitted 0 ms a token and 0 a KV
         entry: such a fit would size chunks without bound)."""
-        step_ms = itl_ms * (1 - STEP_HEADROOM)
+        step_ms = aimed_step_ms(itl_ms)
         fit = steps.fit()
         if fit is None or (fit.per_token_ms <= 0 and fit.per_context_token_ms <= 0):
             return cls(step_ms, min_prefill_tokens, None)

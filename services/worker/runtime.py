@@ -28,7 +28,7 @@ from services.common.errors import FailedPrecondition, NotFound, Overloaded
 from services.common.metrics import ServiceMetrics
 from services.common.spans import Attr, SpanName
 from services.common.step_cost import StepCost, StepCostFit
-from services.runtime.batch_scheduler import StepTarget
+from services.runtime.batch_scheduler import StepTarget, aimed_step_ms
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
@@ -336,7 +336,7 @@ class WorkerRuntime:
     def _record_step_cost(self, step: StepResult, served: ServedModel | None) -> None:
         """The step in the cost fit (a one-token chunk is a decode); under a step target the engine's
         batch scheduler gets the refitted model every STEP_COST_REFIT_STEPS steps, and after a step that
-        ran past the target (the machine slowed: the margin must follow at once)."""
+        ran past the time steps are sized to (the machine slowed: the margin must follow at once)."""
         works = step.work.values()
         decode_context = sum(w.num_context_tokens for w in works if w.num_new_tokens == 1)
         step_ms = (step.ended_ns - step.started_ns) / 1e6
@@ -345,7 +345,7 @@ class WorkerRuntime:
         self._steps_since_refit += 1
         target_ms = self.policy.step_target_ms
         if target_ms > 0 and served is not None and (self._steps_since_refit >= STEP_COST_REFIT_STEPS
-                                                     or step_ms > target_ms):
+                                                     or step_ms > aimed_step_ms(target_ms)):
             self._steps_since_refit = 0
             served.engine.scheduler.target = self._step_target()
 
