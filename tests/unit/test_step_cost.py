@@ -21,13 +21,20 @@ def test_fit_recovers_exact_coefficients() -> None:
     assert cost.per_context_token_ms == pytest.approx(0.002)
 
 
-def test_fit_tells_the_decode_kv_rate_from_the_prompt_chunks() -> None:
-    truth = StepCost(fixed_ms=46.0, per_token_ms=1.1, per_context_token_ms=0.0005, per_decode_context_ms=0.005)
+def fit_of_mixed_steps(truth: StepCost, slow_ms: dict[int, float] | None = None) -> StepCost | None:
+    """The fit of 24 steps of decodes and prompt chunks of varied sizes, each taking `truth`'s time,
+    step i `slow_ms[i]` more."""
     fit = StepCostFit(window=64, min_samples=16, warmup=0)
     for i in range(24):
         new, context, decode_context = 8 + 13 * (i % 4), 2000 * (i % 3), 150 * (1 + i % 7)
-        fit.record(new, context, truth.step_ms(new, context, decode_context), decode_context)
-    cost = fit.fit()
+        fit.record(new, context, truth.step_ms(new, context, decode_context) + (slow_ms or {}).get(i, 0.0),
+                   decode_context)
+    return fit.fit()
+
+
+def test_fit_tells_the_decode_kv_rate_from_the_prompt_chunks() -> None:
+    cost = fit_of_mixed_steps(
+        StepCost(fixed_ms=46.0, per_token_ms=1.1, per_context_token_ms=0.0005, per_decode_context_ms=0.005))
     assert cost is not None
     assert (cost.fixed_ms, cost.per_token_ms) == (pytest.approx(46.0), pytest.approx(1.1))
     assert cost.per_context_token_ms == pytest.approx(0.0005)
@@ -95,13 +102,9 @@ def test_overrun_is_a_quantile_of_the_recent_steps_excess_over_the_prediction() 
 
 
 def test_steps_far_from_the_fit_are_left_out_and_the_rest_fitted_exactly() -> None:
-    truth = StepCost(fixed_ms=20.0, per_token_ms=1.2, per_context_token_ms=0.0015, per_decode_context_ms=0.01)
-    fit = StepCostFit(window=64, min_samples=16, warmup=0)
-    for i in range(24):
-        new, context, decode_context = 8 + 13 * (i % 4), 2000 * (i % 3), 150 * (1 + i % 7)
-        slow = 1500.0 if i in (5, 11, 17) else 0.0  # another process held the cores: 10-25x the step
-        fit.record(new, context, truth.step_ms(new, context, decode_context) + slow, decode_context)
-    cost = fit.fit()
+    slow = {5: 1500.0, 11: 1500.0, 17: 1500.0}  # another process held the cores: 10-25x the step
+    cost = fit_of_mixed_steps(
+        StepCost(fixed_ms=20.0, per_token_ms=1.2, per_context_token_ms=0.0015, per_decode_context_ms=0.01), slow)
     assert cost is not None
     assert (cost.fixed_ms, cost.per_token_ms) == (pytest.approx(20.0), pytest.approx(1.2))
     assert cost.per_context_token_ms == pytest.approx(0.0015)
