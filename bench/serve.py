@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import (  # noqa: E402
-    RequestResult, Scenario, ScenarioStats, Slo, default_scenarios, run_scenario, served_model, summarize,
+    RequestResult, Scenario, ScenarioStats, Slo, default_scenarios, percentile, run_scenario, served_model,
+    summarize,
 )
 from services.common.model_store import find_default_gguf  # noqa: E402
 from services.common.paths import tandem_home  # noqa: E402
@@ -260,6 +261,23 @@ def _cdf(axis, values: list[float], label: str) -> None:
         axis.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=label)
 
 
+def per_request_rows(m: Measured, slo: Slo) -> Iterator[dict[str, object]]:
+    """One row per request of a measured scenario: what decides whether it counts toward goodput."""
+    for index, r in enumerate(m.results):
+        yield {"server": m.stats.server, "scenario": m.stats.scenario, "index": index, "prompt_words": r.prompt_words,
+               "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1000, 1),
+               "itl_p99_ms": round(percentile(r.gaps_s, 0.99) * 1000, 1),
+               "longest_gap_ms": round(max(r.gaps_s, default=0.0) * 1000, 1),
+               "output_tokens": r.output_tokens, "meets_slo": r.meets(slo), "error": r.error}
+
+
+def write_per_request(measured: list[Measured], slo: Slo, path: Path) -> None:
+    with path.open("w") as out:
+        for m in measured:
+            for row in per_request_rows(m, slo):
+                out.write(json.dumps(row) + "\n")
+
+
 def cpu_description() -> str:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
@@ -298,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write TTFT and ITL CDF PNGs here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument("--per-request", type=Path, metavar="FILE",
+                        help="write every request's figures (prompt words, TTFT, its own ITL p99 and longest gap, "
+                             "whether it met both SLOs) here as JSON lines, in sending order")
     args = parser.parse_args(argv)
     if len(args.peer_name) > len(args.peer_url):
         parser.error("more --peer-name than --peer-url: give one name per URL, in the same order")
@@ -324,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         measured += measure(server, scenarios, slo, args.time_limit_s, say)
         loads[server.name] = {"before": before, "after": loadavg()}
     stats = [m.stats for m in measured]
+    if args.per_request:
+        write_per_request(measured, slo, args.per_request)
     report = {"command": shlex.join([sys.executable, *sys.argv]), "cpu": cpu_description(), "slo": asdict(slo),
               "servers": {s.name: s.command for s in servers}, "loadavg": loads,
               "results": [asdict(s) for s in stats], "ratios": ratios(stats, servers),

@@ -13,7 +13,7 @@ from bench import loadgen
 from bench.loadgen import (
     RequestResult, Scenario, Slo, default_scenarios, percentile, prompt_text, stream_completion, summarize,
 )
-from bench.serve import Server, applied_policies, chosen_scenarios, parse_args, ratios
+from bench.serve import Measured, Server, applied_policies, chosen_scenarios, parse_args, ratios, write_per_request
 
 
 def test_long_prompt_mix_puts_every_fourth_prompt_at_1000_words():
@@ -173,3 +173,18 @@ def test_applied_policies_names_each_worker_with_its_last_policy(tmp_path):
     (logs / "gateway.log").write_text("nothing about policies\n")
     assert applied_policies(tmp_path) == [
         "colocated-0: 2 policy change(s), the last {'max_num_batched_tokens': 32} (window 0 ms)"]
+
+
+def test_per_request_rows_say_why_each_request_counts_toward_goodput_or_not(tmp_path):
+    slo = Slo(ttft_ms=1000, itl_ms=100)
+    results = [RequestResult(100, ttft_s=0.5, gaps_s=[0.05, 0.05], output_tokens=3),
+               RequestResult(1000, ttft_s=0.5, gaps_s=[0.05, 0.30], output_tokens=3),
+               RequestResult(100, error="HTTP 503: b'no worker'")]
+    measured = Measured(summarize("s", "c", results, wall_s=2.0, slo=slo), results)
+    path = tmp_path / "requests.jsonl"
+    write_per_request([measured], slo, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["index"], r["prompt_words"], r["ttft_ms"], r["itl_p99_ms"], r["longest_gap_ms"], r["meets_slo"])
+            for r in rows] == [(0, 100, 500.0, 50.0, 50.0, True), (1, 1000, 500.0, 300.0, 300.0, False),
+                               (2, 100, None, 0.0, 0.0, False)]
+    assert rows[2]["error"] == "HTTP 503: b'no worker'" and {r["server"] for r in rows} == {"s"}
