@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.blocks import ceil_div
-from services.common.step_cost import StepCost, StepCostFit
+from services.common.step_cost import StepCost, StepCostFit, aimed_step_ms
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.sequence import Sequence, SequenceStatus
@@ -50,21 +50,10 @@ class SchedulerLimits:
     enable_prefix_cache: bool
 
 
-# The share of the ITL target a step leaves unused. A client sees a token after its step and its
-# delivery (gateway, HTTP: a client's gap less its one step, p99 10-30 ms in four traced c16-long runs),
-# and one step past the target delays every decode in it, a dozen of the run's inter-token gaps: steps
-# sized to the whole target (200 ms) ran 190-225 ms on a quiet 2-core AMD EPYC, and the ITL p99 then
-# landed either side of 250 ms run to run.
-STEP_HEADROOM = 0.2
 # A step may compute at most this many times the tokens of the largest step its cost model was fitted
 # on: the first fit, over steps of the 41-token minimum chunk, priced a 267-token step at 183 ms and it
 # took 409 (the precision's kernels change with the row count, which a linear fit of small steps misses).
 TRUSTED_GROWTH = 2
-
-
-def aimed_step_ms(itl_ms: float) -> float:
-    """The time a step is sized to under the ITL target `itl_ms`: the target less the headroom."""
-    return itl_ms * (1 - STEP_HEADROOM)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,15 @@ with the prompt's uncached tokens and the prompt tokens already queued there (P 
     fixed + R * per_token + per_decode_context * C + chunk_ms(0, P)     R: its running sequences
 
 its decodes reading C KV entries at the decode rate (the prompts of the requests this scheduler has
-generating there, or `context` each), the prompt's P * (P + 1) / 2 at the prompt chunks' rate. When that stays within the ITL target (--slo-itl-ms) the request prefills
-locally in one step and its KV never moves. Otherwise, with a TTFT target (--slo-ttft-ms), the two
-first-token times decide. Under the SLO policy the decode worker cuts prompts into chunks that keep
-each step within the ITL target, so a local prefill's work W (the queued prompts' and this one's
-tokens and chunk KV reads at its rates) goes in the room its decodes leave a step,
+generating there, or `context` each), the prompt's P * (P + 1) / 2 at the prompt chunks' rate. When
+that stays within the step the worker aims at (`aimed = aimed_step_ms(itl)`: the ITL target,
+--slo-itl-ms, less the headroom the worker keeps for the token's delivery; services/common/step_cost.py)
+the request prefills locally in one step and its KV never moves. Otherwise, with a TTFT target
+(--slo-ttft-ms), the two first-token times decide. Under the SLO policy the decode worker cuts prompts
+into chunks that keep each step within that aimed step, so a local prefill's work W (the queued
+prompts' and this one's tokens and chunk KV reads at its rates) goes in the room its decodes leave a step,
 
-    local TTFT  = ceil(W / (itl - fixed - R * per_token - per_decode_context * C)) * itl
+    local TTFT  = ceil(W / (aimed - fixed - R * per_token - per_decode_context * C)) * aimed
 
 and a remote one waits for the prompts queued on the prefill worker, then computes, at that
 worker's rates (the decode worker's until it has reported its own: the same model)
@@ -37,7 +39,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from services.common.step_cost import StepCost, chunk_reads
+from services.common.step_cost import StepCost, aimed_step_ms, chunk_reads
 from services.common.tracing import Attr
 
 
@@ -50,7 +52,7 @@ class Reason(enum.StrEnum):
     """Why the site was chosen (the `reason` label of tandem:prefill_placement_total)."""
 
     NO_PREFILL_WORKER = "no_prefill_worker"
-    WITHIN_ITL = "within_itl"  # the cost model's next step with the whole prefill meets the ITL target
+    WITHIN_ITL = "within_itl"  # the cost model's next step with the whole prefill fits the step aimed at under the ITL target
     OVER_ITL = "over_itl"  # it does not, and no TTFT target weighs the two sites
     LOCAL_SOONER = "local_sooner"  # chunked locally it meets the TTFT target, sooner than the prefill worker
     REMOTE_SOONER = "remote_sooner"  # the prefill worker's first token comes no later than a local one
@@ -131,7 +133,7 @@ class PlacementPolicy:
             return PrefillDecision(PrefillSite.LOCAL if short else PrefillSite.REMOTE,
                                    Reason.SHORT_PROMPT if short else Reason.LONG_PROMPT, inputs)
         step = self.next_step_ms(cost, inputs)
-        if step <= self.itl_ms:
+        if step <= aimed_step_ms(self.itl_ms):
             return PrefillDecision(PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs, step)
         if self.ttft_ms <= 0:
             return PrefillDecision(PrefillSite.REMOTE, Reason.OVER_ITL, inputs, step)
@@ -152,13 +154,14 @@ class PlacementPolicy:
         return inputs.running * cost.per_token_ms + context * cost.per_decode_context_ms
 
     def local_ttft_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
-        """The first token of a local prefill chunked into the room the decodes leave each step
-        within the ITL target (inf: they leave none)."""
-        room = self.itl_ms - cost.fixed_ms - self.decodes_ms(cost, inputs)
+        """The first token of a local prefill chunked into the room the decodes leave each step within
+        the step the worker aims at (inf: they leave none), each such step taking that aimed time."""
+        aimed = aimed_step_ms(self.itl_ms)
+        room = aimed - cost.fixed_ms - self.decodes_ms(cost, inputs)
         work = _prefill_ms(cost, inputs.queued_tokens, inputs.queued_reads, inputs.uncached_tokens)
         if room <= 0:
             return math.inf
-        return math.ceil(work / room) * self.itl_ms
+        return math.ceil(work / room) * aimed
 
     @staticmethod
     def remote_ttft_ms(cost: StepCost, inputs: PrefillInputs) -> float:

@@ -40,10 +40,17 @@ def inputs(uncached: int, queued: int = 0, running: int = 0, remote: bool = True
 
 # -- the decision -----------------------------------------------------------------------------
 
-def test_a_prefill_whose_next_step_meets_the_itl_target_is_local() -> None:
-    # 10 + 0.1 * (4 running + 300 prompt tokens) = 40.4 ms <= 50 ms
-    assert ITL.decide(inputs(300, running=4), COST) == PrefillDecision(
-        PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs(300, running=4), step_ms=pytest.approx(40.4))
+def test_a_prefill_whose_next_step_fits_the_step_the_worker_aims_at_is_local() -> None:
+    # 10 + 0.1 * (4 running + 290 prompt tokens) = 39.4 ms <= 40 ms, the 50 ms target less the worker's headroom
+    assert ITL.decide(inputs(290, running=4), COST) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs(290, running=4), step_ms=pytest.approx(39.4))
+
+
+def test_a_step_within_the_itl_target_but_past_the_aimed_step_is_not_within_it() -> None:
+    # 10 + 0.1 * 304 = 40.4 ms: within 50 ms, but the worker sizes its steps to 40 ms and would chunk it
+    decision = ITL.decide(inputs(300, running=4), COST)
+    assert (decision.site, decision.reason, decision.step_ms) == (PrefillSite.REMOTE, Reason.OVER_ITL,
+                                                                   pytest.approx(40.4))
 
 
 def test_a_prefill_that_would_stretch_the_next_step_past_the_itl_target_is_remote() -> None:
@@ -67,28 +74,29 @@ TTFT = PlacementPolicy(itl_ms=50.0, context_tokens=1024, local_tokens=256, ttft_
 
 
 def test_over_the_itl_target_in_one_step_a_prefill_chunked_locally_that_meets_the_ttft_target_sooner_is_local() -> None:
-    # one step with it: 10 + 0.1 * 4 + 0.1 * 600 = 70.4 ms > 50; chunked into the 50 - 10 - 0.4 = 39.6 ms the
-    # decodes leave a step: ceil(60 / 39.6) = 2 steps of 50 ms; remote: 10 + 0.1 * (20,000 queued + 600)
+    # one step with it: 10 + 0.1 * 4 + 0.1 * 600 = 70.4 ms > 40 (the step aimed at under 50); chunked into the
+    # 40 - 10 - 0.4 = 29.6 ms the decodes leave a step: ceil(60 / 29.6) = 3 steps of 40 ms; remote: 10 + 0.1 *
+    # (20,000 queued + 600)
     deep = inputs(600, running=4, remote_tokens=600, remote_queued_tokens=20_000)
     assert TTFT.decide(deep, COST) == PrefillDecision(PrefillSite.LOCAL, Reason.LOCAL_SOONER, deep, step_ms=pytest.approx(70.4),
-                                                      local_ttft_ms=100.0, remote_ttft_ms=pytest.approx(2070.0))
+                                                      local_ttft_ms=120.0, remote_ttft_ms=pytest.approx(2070.0))
 
 
 def test_a_prefill_worker_whose_first_token_comes_no_later_takes_the_prompt() -> None:
-    idle = inputs(600, running=4, remote_tokens=600)  # remote: 10 + 60 = 70 ms against 100 ms locally
+    idle = inputs(600, running=4, remote_tokens=600)  # remote: 10 + 60 = 70 ms against 120 ms locally
     decision = TTFT.decide(idle, COST)
     assert (decision.site, decision.reason, decision.remote_ttft_ms) == (PrefillSite.REMOTE, Reason.REMOTE_SOONER,
                                                                          pytest.approx(70.0))
 
 
 def test_a_prompt_that_misses_the_ttft_target_on_both_sites_goes_remote_and_leaves_the_decode_steps_short() -> None:
-    strict = PlacementPolicy(itl_ms=50.0, ttft_ms=99.0)  # local 100 ms, remote 2,070 ms: both late
+    strict = PlacementPolicy(itl_ms=50.0, ttft_ms=119.0)  # local 120 ms, remote 2,070 ms: both late
     decision = strict.decide(inputs(600, running=4, remote_tokens=600, remote_queued_tokens=20_000), COST)
     assert (decision.site, decision.reason) == (PrefillSite.REMOTE, Reason.OVER_TTFT)
 
 
 def test_decodes_that_fill_the_itl_target_leave_a_local_prefill_no_room() -> None:
-    full = inputs(600, running=400, remote_tokens=600, remote_queued_tokens=20_000)  # 10 + 400 * 0.1 = 50 ms
+    full = inputs(600, running=400, remote_tokens=600, remote_queued_tokens=20_000)  # 10 + 400 * 0.1 = 50 > 40 ms
     decision = TTFT.decide(full, COST)
     assert (decision.site, decision.local_ttft_ms) == (PrefillSite.REMOTE, float("inf"))
     assert decision.span_attributes()["tandem.prefill.local_ttft_ms"] == -1.0
@@ -99,8 +107,8 @@ def test_both_queues_count_their_tokens_and_the_kv_their_chunks_read_and_the_pre
     remote_cost = StepCost(fixed_ms=20.0, per_token_ms=0.2, per_context_token_ms=0.002)
     queued = inputs(100, queued=50, running=4, queued_reads=1_000, remote_tokens=100, remote_queued_tokens=300,
                     remote_queued_reads=5_000)
-    # local work: 0.1 * 150 + 0.001 * (1,000 + 5,050) = 21.05 ms in 39.6 ms a step: 1 step
-    assert TTFT.local_ttft_ms(local_cost, queued) == 50.0
+    # local work: 0.1 * 150 + 0.001 * (1,000 + 5,050) = 21.05 ms in 40 - 10 - 0.4 = 29.6 ms a step: 1 step of 40 ms
+    assert TTFT.local_ttft_ms(local_cost, queued) == 40.0
     # remote: 20 + 0.2 * 400 + 0.002 * (5,000 + 5,050)
     assert TTFT.remote_ttft_ms(remote_cost, queued) == pytest.approx(120.1)
     placement = PrefillPlacement(TTFT)
@@ -140,10 +148,10 @@ def test_with_no_prefill_worker_every_prompt_prefills_locally() -> None:
 
 
 def test_the_decision_goes_on_the_span_with_its_inputs() -> None:
-    assert ITL.decide(inputs(300, queued=2, running=4), COST).span_attributes() == {
+    assert ITL.decide(inputs(290, queued=2, running=4), COST).span_attributes() == {
         "tandem.prefill.placement": "local", "tandem.prefill.placement_reason": "within_itl",
-        "tandem.prefill.uncached_tokens": 300, "tandem.prefill.queued_tokens": 2,
-        "tandem.prefill.decode_running": 4, "tandem.prefill.predicted_step_ms": 40.6}
+        "tandem.prefill.uncached_tokens": 290, "tandem.prefill.queued_tokens": 2,
+        "tandem.prefill.decode_running": 4, "tandem.prefill.predicted_step_ms": 39.6}
 
 
 def test_a_bad_policy_is_refused() -> None:
@@ -241,9 +249,10 @@ async def test_the_prefill_workers_queue_weighs_against_a_local_prefill_in_chunk
     reads = 884 * 16 + 884 * 885 // 2  # its chunks' tokens from position 16 on
     assert plan.placement.inputs == inputs(60, running_context=0, remote_tokens=60, remote_queued_tokens=884,
                                            remote_queued_reads=reads)
-    # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 40 ms room: 2 steps; remotely: 10 + 944 + 0.001 * (reads + 1,830)
+    # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 30 ms room (40 aimed, less 10 fixed): 3 steps of
+    # 40 ms; remotely: 10 + 944 + 0.001 * (reads + 1,830)
     assert plan.colocated and plan.placement.reason is Reason.LOCAL_SOONER
-    assert (plan.placement.local_ttft_ms, plan.placement.remote_ttft_ms) == (100.0, pytest.approx(10 + 944 + 0.001 * (reads + 1830)))
+    assert (plan.placement.local_ttft_ms, plan.placement.remote_ttft_ms) == (120.0, pytest.approx(10 + 944 + 0.001 * (reads + 1830)))
     assert plan.prefill == [Score("d-0", 60.0, free_blocks=1000)]
 
 
