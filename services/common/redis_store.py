@@ -6,7 +6,9 @@
   {ns}:block:{hash}       set of worker ids caching the block (the prefix index)
   {ns}:claim:{key}        the owner of a claim, expiring with its ttl
 
-Every Redis or socket error is raised as StoreUnavailable.
+Every Redis or socket error is raised as StoreUnavailable. Each call a scheduler makes per request
+or per listing is one round trip (a Lua script of redis_scripts.py): a listing of the workers, a
+prefix match, one report of a worker's block changes.
 """
 
 from __future__ import annotations
@@ -21,47 +23,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
+from services.common import redis_scripts
 from services.common.block_hash import BlockHash
 from services.common.store import (
-    ModelResidency, ModelState, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, leading_matches,
+    ModelResidency, ModelState, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole,
 )
-
-# KEYS: worker hash. ARGV: load JSON, ttl ms. Renews only a worker that has not expired.
-_HEARTBEAT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'load', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-# KEYS: worker blocks set, workers set. ARGV: worker id, block key prefix, "1" to also deregister.
-_DROP_BLOCKS = """
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  redis.call('SREM', ARGV[2] .. h, ARGV[1])
-end
-redis.call('DEL', KEYS[1])
-if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[1]) end
-return 1
-"""
-
-# KEYS: worker hash, worker blocks set, workers set. ARGV: worker id, block key prefix.
-# Forgets a worker whose hash expired; atomic, so a worker re-registering meanwhile is kept.
-_PRUNE_EXPIRED = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  redis.call('SREM', ARGV[2] .. h, ARGV[1])
-end
-redis.call('DEL', KEYS[2])
-redis.call('SREM', KEYS[3], ARGV[1])
-return 1
-"""
-
-# KEYS: claim key. ARGV: owner. Deletes the claim only while that owner holds it.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 
 def _ttl_ms(ttl: float) -> int:
     return max(1, round(ttl * 1000))
@@ -71,11 +37,11 @@ def _to_json(value: WorkerInfo | WorkerLoad) -> str:
     return json.dumps(dataclasses.asdict(value))
 
 
-def _record(fields: dict[str, str]) -> WorkerRecord:
-    info = json.loads(fields["info"])
+def _record(info_json: str, load_json: str) -> WorkerRecord:
+    info = json.loads(info_json)
     info["role"] = WorkerRole(info["role"])
     info["catalogue"] = tuple(info.get("catalogue", ()))
-    load = json.loads(fields["load"])
+    load = json.loads(load_json)
     load["models"] = tuple(ModelResidency(**{**m, "state": ModelState(m["state"])}) for m in load.get("models", ()))
     return WorkerRecord(WorkerInfo(**info), WorkerLoad(**load))
 
@@ -103,10 +69,13 @@ class RedisStore:
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._redis = redis.Redis.from_pool(pool)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._drop_blocks = self._redis.register_script(_DROP_BLOCKS)
-        self._prune_expired = self._redis.register_script(_PRUNE_EXPIRED)
-        self._release = self._redis.register_script(_RELEASE)
+        self._heartbeat = self._redis.register_script(redis_scripts.HEARTBEAT)
+        self._drop_blocks = self._redis.register_script(redis_scripts.DROP_BLOCKS)
+        self._prune_expired = self._redis.register_script(redis_scripts.PRUNE_EXPIRED)
+        self._list_workers = self._redis.register_script(redis_scripts.LIST_WORKERS)
+        self._update_blocks = self._redis.register_script(redis_scripts.UPDATE_BLOCKS)
+        self._match_prefix = self._redis.register_script(redis_scripts.MATCH_PREFIX)
+        self._release = self._redis.register_script(redis_scripts.RELEASE)
         # Each listed worker's stored JSON (info, load) and its record: decoded again only when it changed.
         self._listed: dict[str, tuple[tuple[str, str], WorkerRecord]] = {}
 
@@ -140,23 +109,16 @@ class RedisStore:
 
     async def list_workers(self) -> list[WorkerRecord]:
         with self._guard():
-            worker_ids = sorted(await self._redis.smembers(self._key("workers")))
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for worker_id in worker_ids:
-                    pipe.hgetall(self._key("worker", worker_id))
-                fields = await pipe.execute()
-            records, listed = [], {}
-            for worker_id, values in zip(worker_ids, fields):
-                if not values:
-                    await self._prune(worker_id)
-                    continue
-                raw = (values["info"], values["load"])
-                last = self._listed.get(worker_id)
-                record = last[1] if last is not None and last[0] == raw else _record(values)
-                listed[worker_id] = (raw, record)
-                records.append(record)
-            self._listed = listed
-        return records
+            flat = await self._list_workers(keys=[self._key("workers")], args=[
+                self._key("worker", ""), self._key("blocks", ""), self._key("block", "")])
+        found = {flat[i]: (flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
+        listed = {}
+        for worker_id in sorted(found):
+            raw = found[worker_id]
+            last = self._listed.get(worker_id)
+            listed[worker_id] = (raw, last[1] if last is not None and last[0] == raw else _record(*raw))
+        self._listed = listed
+        return [record for _, record in listed.values()]
 
     async def remove_worker(self, worker_id: str) -> None:
         with self._guard():
@@ -164,36 +126,26 @@ class RedisStore:
             await self._drop(worker_id, deregister=True)
 
     async def add_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        hashes = list(hashes)
-        if not hashes:
-            return
-        with self._guard():
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.sadd(self._key("blocks", worker_id), *hashes)
-                for block_hash in hashes:
-                    pipe.sadd(self._key("block", block_hash), worker_id)
-                await pipe.execute()
+        await self.update_blocks(worker_id, stored=hashes)
 
     async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        hashes = list(hashes)
-        if not hashes:
+        await self.update_blocks(worker_id, evicted=hashes)
+
+    async def update_blocks(self, worker_id: str, stored: Iterable[BlockHash] = (),
+                            evicted: Iterable[BlockHash] = (), *, reset: bool = False) -> None:
+        stored, evicted = list(stored), list(evicted)
+        if not (stored or evicted or reset):
             return
         with self._guard():
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.srem(self._key("blocks", worker_id), *hashes)
-                for block_hash in hashes:
-                    pipe.srem(self._key("block", block_hash), worker_id)
-                await pipe.execute()
+            await self._update_blocks(keys=[self._key("blocks", worker_id)], args=[
+                worker_id, self._key("block", ""), "1" if reset else "0", len(stored), *stored, *evicted])
 
     async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not hashes:
             return {}
         with self._guard():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for block_hash in hashes:
-                    pipe.smembers(self._key("block", block_hash))
-                holders = await pipe.execute()
-        return leading_matches(holders)
+            flat = await self._match_prefix(keys=[], args=[self._key("block", ""), *hashes])
+        return dict(zip(flat[::2], flat[1::2]))
 
     async def drop_worker_blocks(self, worker_id: str) -> None:
         with self._guard():

@@ -136,6 +136,12 @@ class Store(Protocol):
     async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
         """Record that the worker evicted these blocks."""
 
+    async def update_blocks(self, worker_id: str, stored: Iterable[BlockHash] = (),
+                            evicted: Iterable[BlockHash] = (), *, reset: bool = False) -> None:
+        """Apply one report of the worker's prefix-cache changes at once, in this order: with reset,
+        forget its blocks (`stored` is then its whole cache); record `stored`; drop `evicted`. A
+        hash in both ends up not cached. Replicas never see the report half applied."""
+
     async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For each worker caching hashes[0], the number of leading hashes it caches (workers with 0 left out)."""
 
@@ -214,6 +220,13 @@ class EmbeddedStore:
         for block_hash in hashes:
             owned.discard(block_hash)
             self._discard_holder(block_hash, worker_id)
+
+    async def update_blocks(self, worker_id: str, stored: Iterable[BlockHash] = (),
+                            evicted: Iterable[BlockHash] = (), *, reset: bool = False) -> None:
+        if reset:
+            self._forget_blocks(worker_id)
+        await self.add_blocks(worker_id, stored)
+        await self.remove_blocks(worker_id, evicted)
 
     async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         return leading_matches(self._holders.get(h, set()) for h in hashes)

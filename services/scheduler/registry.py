@@ -17,7 +17,9 @@ With `listing_reuse_s`, one listing of the store's workers serves the requests r
 long (wall clock), this scheduler's own heartbeats and registrations laid over it: on Redis a listing
 is one round trip and a record to decode per worker, on every request. While a listing is reused
 and no worker heard here has lapsed, the live workers are the last answer as registrations,
-heartbeats and drops have kept it (no pass over the workers per request).
+heartbeats and drops have kept it (no pass over the workers per request). The requests that find
+the listing aged out share the one listing then sent (one round trip, not one each); a registration
+or a model load here starts the next one afresh.
 
 A worker id belongs to the worker that registered it while that one is live: a registration
 under a live worker's id with other info (address, role, model, cache geometry) is refused with
@@ -36,6 +38,7 @@ the store, before the worker's next heartbeat says so. `model_placement` is the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 STORE_RETRY_S = 1.0
 LISTING_REUSE_S = 0.05  # how long the scheduler reuses a listing of its workers
 T = TypeVar("T")
+_Listed = tuple[bool, list[WorkerRecord] | None, bool]  # (the store answered, its workers, current)
 
 
 @dataclass(slots=True)
@@ -70,6 +74,8 @@ class WorkerRegistry:
         self.model_placement = placement
         self._listing_reuse_s = listing_reuse_s
         self._listing: tuple[float, list[WorkerRecord]] | None = None  # (time.monotonic(), the store's workers)
+        self._pending_listing: asyncio.Future[_Listed] | None = None
+        self._listing_epoch = 0  # bumped when this scheduler changed a record: older listings are not kept
         self.ttl = ttl
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
@@ -95,7 +101,7 @@ class WorkerRegistry:
         self._seen[info.worker_id] = _Seen(record, self._clock())
         self._live[info.worker_id] = record
         await self._store_call(lambda: self.store.register_worker(info, self.ttl, load))
-        self._listing = None
+        self._drop_listing()
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Renew a worker; False when it must register again (unknown here, lapsed, or dropped)."""
@@ -137,7 +143,7 @@ class WorkerRegistry:
         load = replace(seen.record.load, models=kept + ((resident,) if resident else ()))
         seen.record = WorkerRecord(seen.record.info, load)
         self._live[worker_id] = seen.record
-        self._listing = None
+        self._drop_listing()
         await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
 
     async def _stored(self, worker_id: str) -> WorkerRecord | None:
@@ -172,35 +178,57 @@ class WorkerRegistry:
         if worker_id in self._dropped:
             return
         stored, evicted = list(stored), list(evicted)
-
-        async def apply() -> None:
-            if reset:
-                await self.store.drop_worker_blocks(worker_id)
-            await self.store.add_blocks(worker_id, stored)
-            await self.store.remove_blocks(worker_id, evicted)
-
-        await self._store_call(apply)
+        await self._store_call(lambda: self.store.update_blocks(worker_id, stored, evicted, reset=reset))
 
     async def live_workers(self) -> list[WorkerRecord]:
-        """The live workers ordered by id (see the module docstring); refreshes snapshot()."""
+        """The live workers ordered by id (see the module docstring); refreshes snapshot(), unless
+        this scheduler changed a record while the store was being listed (a later call lists again)."""
         reused = self._listing is not None and time.monotonic() - self._listing[0] < self._listing_reuse_s
         if reused and self._clock() < self._lapse_at:
             return list(self._live.values())  # as the rebuild below would make it: nothing lapsed since
         if reused:
-            ok, listed = True, self._listing[1]
+            ok, listed, current = True, self._listing[1], True
         else:
-            listed_at = time.monotonic()
-            ok, listed = await self._store_call(self.store.list_workers)
-            self._listing = (listed_at, listed) if ok else None
+            ok, listed, current = await self._list_store()
         records = {r.info.worker_id: r for r in listed} if ok else {}
         for worker_id in list(self._seen):
             if (reused or worker_id not in records) and (seen := self._fresh(worker_id)) is not None:
                 records[worker_id] = seen.record  # a reused listing is older than this scheduler's own news
-        self._live = {w: records[w] for w in sorted(records) if w not in self._dropped}
-        now = self._clock()
-        self._lapse_at = min((seen.at for seen in self._seen.values() if now - seen.at < self.ttl),
-                             default=math.inf) + self.ttl
-        return list(self._live.values())
+        live = {w: records[w] for w in sorted(records) if w not in self._dropped}
+        if current:
+            self._live = live
+            now = self._clock()
+            self._lapse_at = min((seen.at for seen in self._seen.values() if now - seen.at < self.ttl),
+                                 default=math.inf) + self.ttl
+        return list(live.values())
+
+    async def _list_store(self) -> _Listed:
+        """The store's workers, kept as the listing to reuse. With listing reuse on, callers arriving
+        while a listing is under way share it (it started at most a moment before them, younger than
+        any reused one), instead of each sending its own: the requests that find the last listing
+        aged out arrive together. A caller cancelled meanwhile does not cancel it for the others."""
+        if self._listing_reuse_s <= 0:
+            return await self._list_once()
+        if self._pending_listing is None or self._pending_listing.done():
+            self._pending_listing = asyncio.ensure_future(self._list_once())
+        return await asyncio.shield(self._pending_listing)
+
+    async def _list_once(self) -> _Listed:
+        """(ok, the store's workers, current): not current when a change made here since it started
+        may be missing from it."""
+        listed_at, epoch = time.monotonic(), self._listing_epoch
+        ok, listed = await self._store_call(self.store.list_workers)
+        current = epoch == self._listing_epoch
+        if current:
+            self._listing = (listed_at, listed) if ok else None
+        return ok, listed, current
+
+    def _drop_listing(self) -> None:
+        """This scheduler changed a worker's record: the next live_workers() lists the store again,
+        and a listing under way (it may predate the change) serves only those already waiting on it."""
+        self._listing = None
+        self._pending_listing = None
+        self._listing_epoch += 1
 
     def is_live(self, worker_id: str) -> bool:
         """Whether the worker was live at the last live_workers() and has not been dropped since."""

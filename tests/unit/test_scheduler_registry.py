@@ -4,13 +4,15 @@ held by a live worker refuses a registration with other info."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
 from services.common.block_hash import hash_chain
 from services.common.errors import FailedPrecondition
-from services.common.store import WorkerInfo, WorkerLoad, WorkerRole
+from services.common.store import WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
 from tests.clock import FakeClock
 from tests.flaky_store import FlakyStore
@@ -188,3 +190,60 @@ async def test_a_reused_listing_answers_with_the_latest_heartbeats_and_drops_unt
     clock.now += 1  # p-0 lapsed here; the reused listing still names it, until the store is listed again
     await registry.register(info("d-0", WorkerRole.DECODE), WorkerLoad())
     assert await ids(registry) == ["d-0", "p-1"]
+
+
+class HeldListings(FlakyStore):
+    """A store whose listings each read the workers at once, then wait until the test releases them."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.held: list[asyncio.Event] = []
+        self.hold = False
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        listed = await super().list_workers()
+        if self.hold:
+            release = asyncio.Event()
+            self.held.append(release)
+            await release.wait()
+        return listed
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0)
+
+
+async def test_callers_share_the_listing_under_way_and_one_cancelled_does_not_cancel_it() -> None:
+    clock = FakeClock()
+    store = HeldListings(clock)
+    registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)
+    await registry.register(info("p-0"), WorkerLoad())
+    store.hold = True
+    callers = [asyncio.create_task(ids(registry)) for _ in range(5)]
+    await until(lambda: len(store.held) == 1)
+    callers[0].cancel()
+    store.held[0].set()
+    assert await asyncio.gather(*callers[1:]) == [["p-0"]] * 4
+    assert len(store.held) == 1, "one listing for the five callers"
+
+
+async def test_a_listing_that_predates_a_change_made_here_is_not_reused() -> None:
+    clock = FakeClock()
+    store = HeldListings(clock)
+    registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)
+    await registry.register(info("p-0"), WorkerLoad())
+    store.hold = True
+    before = asyncio.create_task(ids(registry))
+    await until(lambda: len(store.held) == 1)
+    await store.register_worker(info("p-1"), TTL, WorkerLoad())  # another scheduler's worker
+    await registry.record_models("p-0", gone=("smol",))  # a change made here: the next call lists again
+    after = asyncio.create_task(ids(registry))
+    await until(lambda: len(store.held) == 2)
+    store.held[1].set()
+    assert await after == ["p-0", "p-1"]
+    store.held[0].set()
+    assert await before == ["p-0"]
+    store.hold = False
+    assert await ids(registry) == ["p-0", "p-1"], "the later listing is the one reused"
+    assert len(store.held) == 2

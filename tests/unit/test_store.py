@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
+import redis.asyncio.connection as redis_connection
 
 from services.common.block_hash import hash_chain
 from services.common.redis_store import RedisStore
@@ -121,6 +122,20 @@ async def test_remove_blocks_breaks_the_run_at_the_evicted_block(harness: Harnes
     assert await store.match_prefix(H) == {"a": 2}
 
 
+async def test_update_blocks_applies_reset_then_stored_then_evicted(harness: Harness) -> None:
+    store = harness.store
+    await store.add_blocks("a", H[:2])
+    await store.add_blocks("b", H[:3])
+    await store.update_blocks("b", stored=H[3:], evicted=[H[2], H[4]])  # h4 stored and evicted: not cached
+    assert await store.match_prefix(H) == {"a": 2, "b": 2}
+    await store.update_blocks("a", stored=H[:4], evicted=[H[3]], reset=True)
+    assert await store.match_prefix(H) == {"a": 3, "b": 2}
+    await store.update_blocks("a", reset=True)  # a whole cache that is empty
+    assert await store.match_prefix(H) == {"b": 2}
+    await store.update_blocks("b")
+    assert await store.match_prefix(H[:1]) == {"b": 1}
+
+
 async def test_drop_worker_blocks_forgets_only_that_worker(harness: Harness) -> None:
     store = harness.store
     await store.register_worker(info("a"), ttl=30)
@@ -215,6 +230,41 @@ async def test_redis_listing_decodes_a_record_again_only_when_it_changed(redis_s
         await store.close()
 
 
+async def test_redis_each_call_of_a_routed_request_is_one_round_trip(redis_server: RedisServer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A listing, a prefix match and a batch's block report each cost the scheduler one command sent
+    # (a Lua script), not one per worker or per block; each reply as the commands it replaced gave.
+    store = RedisStore(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}")
+    sent: list[int] = []
+    send = redis_connection.AbstractConnection.send_packed_command
+
+    async def counted(connection, command, check_health=True):
+        sent.append(1)
+        return await send(connection, command, check_health)
+
+    try:
+        for worker_id in ("a", "b", "c"):
+            await store.register_worker(info(worker_id), ttl=30, load=WorkerLoad(free_blocks=len(worker_id)))
+        await store.update_blocks("b", stored=H[:1])  # loads each script once
+        await store.match_prefix(H)
+        await store.list_workers()
+        monkeypatch.setattr(redis_connection.AbstractConnection, "send_packed_command", counted)
+        calls = {
+            "update_blocks": lambda: store.update_blocks("a", stored=H[:3], evicted=[H[2]], reset=True),
+            "match_prefix": lambda: store.match_prefix(H),
+            "list_workers": store.list_workers,
+        }
+        results = {}
+        for name, call in calls.items():
+            sent.clear()
+            results[name] = await call()
+            assert len(sent) == 1, f"{name} sent {len(sent)} commands"
+        assert results["match_prefix"] == {"a": 2, "b": 1}
+        assert [r.info.worker_id for r in results["list_workers"]] == ["a", "b", "c"]
+    finally:
+        await store.close()
+
+
 async def test_redis_more_concurrent_calls_than_pooled_connections_wait_for_one(redis_server: RedisServer) -> None:
     # 100 workers deregistering at once sent a scheduler 100+ concurrent commands; the pool refused
     # those past its 100th connection ("Too many connections") instead of queueing them.
@@ -239,7 +289,8 @@ async def test_redis_down_raises_store_unavailable_and_recovers(private_redis: R
         calls = [
             store.ping(), store.list_workers(), store.heartbeat("a", WorkerLoad(), 30),
             store.register_worker(info("b"), 30), store.remove_worker("a"), store.add_blocks("a", H),
-            store.remove_blocks("a", H), store.match_prefix(H), store.drop_worker_blocks("a"),
+            store.remove_blocks("a", H), store.update_blocks("a", H, reset=True), store.match_prefix(H),
+            store.drop_worker_blocks("a"),
             store.claim("copy:chat", "a", 30), store.release("copy:chat", "a"),
         ]
         for call in calls:
