@@ -71,8 +71,12 @@ class Measured:
 
 
 @contextlib.contextmanager
-def tandem_up(up_args: list[str]) -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as run_dir:
+def tandem_up(up_args: list[str], keep_in: Path | None = None) -> Iterator[str]:
+    """`tandem up` with these flags for the block; its run directory (every service's log and spans) is
+    `keep_in` when given (kept), else a temporary one."""
+    if keep_in is not None:
+        keep_in.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(str(keep_in)) if keep_in is not None else tempfile.TemporaryDirectory() as run_dir:
         mesh = Mesh.start(*up_args, run_dir=Path(run_dir))
         try:
             yield mesh.http_url
@@ -147,8 +151,9 @@ def servers_of(args: argparse.Namespace) -> list[Server]:
     for spec in ([] if args.no_tandem else args.tandem or list(DEFAULT_TANDEM)):
         name, _, up_args = spec.partition("=")
         argv = shlex.split(up_args)
+        keep_in = args.run_dir / name if args.run_dir else None
         servers.append(Server(f"tandem {name}", True, shlex.join(["tandem", "up", *argv]),
-                              lambda argv=argv: tandem_up(argv)))
+                              lambda argv=argv, keep_in=keep_in: tandem_up(argv, keep_in)))
     for spec in args.start_peer:
         servers.append(_llama_peer(spec, args))
     names = args.peer_name + [urlparse(url).netloc for url in args.peer_url[len(args.peer_name):]]
@@ -316,6 +321,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-itl-ms", type=float, default=200.0)
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write TTFT and ITL CDF PNGs here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="keep each Tandem setup's run directory (its services' logs and spans) in DIR/NAME "
+                             "(none: a temporary one, removed)")
     parser.add_argument("--per-request", type=Path, metavar="FILE",
                         help="write every request's figures (prompt words, TTFT, its own ITL p99 and longest gap, "
                              "whether it met both SLOs) here as JSON lines, in sending order")

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from bench import loadgen
+from bench import loadgen, serve
 from bench.loadgen import (
     RequestResult, Scenario, Slo, default_scenarios, percentile, prompt_text, stream_completion, summarize,
 )
@@ -188,3 +188,26 @@ def test_per_request_rows_say_why_each_request_counts_toward_goodput_or_not(tmp_
             for r in rows] == [(0, 100, 500.0, 50.0, 50.0, True), (1, 1000, 500.0, 300.0, 300.0, False),
                                (2, 100, None, 0.0, 0.0, False)]
     assert rows[2]["error"] == "HTTP 503: b'no worker'" and {r["server"] for r in rows} == {"s"}
+
+
+def test_run_dir_keeps_each_tandem_setups_logs_and_spans_under_its_name(tmp_path, monkeypatch):
+    started = []
+
+    class FakeMesh:
+        http_url = "http://127.0.0.1:1"
+
+        @classmethod
+        def start(cls, *up_args, run_dir):
+            started.append((up_args, run_dir))
+            (run_dir / "spans-scheduler.jsonl").write_text("{}\n")
+            return cls()
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(serve, "Mesh", FakeMesh)
+    servers = serve.servers_of(parse_args(["--tandem", "hybrid=--mode hybrid", "--run-dir", str(tmp_path / "runs")]))
+    with servers[0].open() as url:
+        assert url == "http://127.0.0.1:1"
+    assert started == [(("--mode", "hybrid"), tmp_path / "runs" / "hybrid")]
+    assert (tmp_path / "runs" / "hybrid" / "spans-scheduler.jsonl").read_text() == "{}\n"  # kept after the stop
