@@ -5,6 +5,21 @@ scheduler pays redis-py's packing, its per-reply timeout and a loop wake-up per 
 
 from __future__ import annotations
 
+# Helpers the scripts below start with. forget(): take a worker out of the prefix index (its blocks
+# set, and itself from each block's holders). each_chunk(): call fn(first, last) over ARGV[from..to]
+# in runs short enough to unpack() into one command's arguments.
+_HELPERS = """
+local function forget(blocks, id, prefix)
+  for _, h in ipairs(redis.call('SMEMBERS', blocks)) do
+    redis.call('SREM', prefix .. h, id)
+  end
+  redis.call('DEL', blocks)
+end
+local function each_chunk(from, to, fn)
+  for first = from, to, 1000 do fn(first, math.min(first + 999, to)) end
+end
+"""
+
 # KEYS: worker hash. ARGV: load JSON, ttl ms. Renews only a worker that has not expired.
 HEARTBEAT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -14,23 +29,17 @@ return 1
 """
 
 # KEYS: worker blocks set, workers set. ARGV: worker id, block key prefix, "1" to also deregister.
-DROP_BLOCKS = """
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  redis.call('SREM', ARGV[2] .. h, ARGV[1])
-end
-redis.call('DEL', KEYS[1])
+DROP_BLOCKS = _HELPERS + """
+forget(KEYS[1], ARGV[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[1]) end
 return 1
 """
 
 # KEYS: worker hash, worker blocks set, workers set. ARGV: worker id, block key prefix.
 # Forgets a worker whose hash expired; atomic, so a worker re-registering meanwhile is kept.
-PRUNE_EXPIRED = """
+PRUNE_EXPIRED = _HELPERS + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  redis.call('SREM', ARGV[2] .. h, ARGV[1])
-end
-redis.call('DEL', KEYS[2])
+forget(KEYS[2], ARGV[1], ARGV[2])
 redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 """
@@ -38,7 +47,7 @@ return 1
 # KEYS: workers set. ARGV: worker hash key prefix, worker blocks key prefix, block key prefix.
 # Returns {id, info, load, ...} of every registered worker whose hash is live, in no order; a worker
 # whose hash expired is forgotten with its blocks in the same pass (as PRUNE_EXPIRED does).
-LIST_WORKERS = """
+LIST_WORKERS = _HELPERS + """
 local listed = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local fields = redis.call('HMGET', ARGV[1] .. id, 'info', 'load')
@@ -47,10 +56,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     listed[#listed + 1] = fields[1]
     listed[#listed + 1] = fields[2]
   elseif redis.call('EXISTS', ARGV[1] .. id) == 0 then
-    for _, h in ipairs(redis.call('SMEMBERS', ARGV[2] .. id)) do
-      redis.call('SREM', ARGV[3] .. h, id)
-    end
-    redis.call('DEL', ARGV[2] .. id)
+    forget(ARGV[2] .. id, id, ARGV[3])
     redis.call('SREM', KEYS[1], id)
   end
 end
@@ -60,23 +66,18 @@ return listed
 # KEYS: worker blocks set. ARGV: worker id, block key prefix, "1" to forget the worker's blocks
 # first, how many stored hashes follow, the stored hashes, then the evicted ones.
 # Applies one report of a worker's prefix-cache changes in that order: reset, stored, evicted.
-UPDATE_BLOCKS = """
+UPDATE_BLOCKS = _HELPERS + """
 local blocks, id, prefix = KEYS[1], ARGV[1], ARGV[2]
-if ARGV[3] == '1' then
-  for _, h in ipairs(redis.call('SMEMBERS', blocks)) do
-    redis.call('SREM', prefix .. h, id)
-  end
-  redis.call('DEL', blocks)
-end
+if ARGV[3] == '1' then forget(blocks, id, prefix) end
 local last_stored = 4 + tonumber(ARGV[4])
-for i = 5, last_stored do
-  redis.call('SADD', blocks, ARGV[i])
-  redis.call('SADD', prefix .. ARGV[i], id)
-end
-for i = last_stored + 1, #ARGV do
-  redis.call('SREM', blocks, ARGV[i])
-  redis.call('SREM', prefix .. ARGV[i], id)
-end
+each_chunk(5, last_stored, function(first, last)
+  redis.call('SADD', blocks, unpack(ARGV, first, last))
+end)
+each_chunk(last_stored + 1, #ARGV, function(first, last)
+  redis.call('SREM', blocks, unpack(ARGV, first, last))
+end)
+for i = 5, last_stored do redis.call('SADD', prefix .. ARGV[i], id) end
+for i = last_stored + 1, #ARGV do redis.call('SREM', prefix .. ARGV[i], id) end
 return 1
 """
 

@@ -136,6 +136,17 @@ async def test_update_blocks_applies_reset_then_stored_then_evicted(harness: Har
     assert await store.match_prefix(H[:1]) == {"b": 1}
 
 
+async def test_a_report_of_thousands_of_blocks_is_applied_whole(harness: Harness) -> None:
+    # The bench fills the index 2,000 blocks a report; Redis applies them in runs of 1,000 arguments.
+    store, chain = harness.store, hash_chain(list(range(2_500 * BLOCK)), BLOCK)
+    await store.update_blocks("a", stored=chain)
+    assert await store.match_prefix(chain) == {"a": 2_500}
+    await store.update_blocks("a", evicted=chain[1_199:2_400])
+    assert await store.match_prefix(chain) == {"a": 1_199}
+    await store.update_blocks("a", reset=True, stored=chain[:3])
+    assert await store.match_prefix(chain) == {"a": 3}
+
+
 async def test_drop_worker_blocks_forgets_only_that_worker(harness: Harness) -> None:
     store = harness.store
     await store.register_worker(info("a"), ttl=30)
