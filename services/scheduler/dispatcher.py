@@ -230,16 +230,18 @@ class Dispatcher:
         no decode worker has room for its KV. Returns when it runs, or when its stream has ended."""
         self._check_fits(state)
         state.ticket = self.admission.enter(state.request_id, lambda: self._ready(state))
+        let_in_at_once = state.ticket.turn.done()  # nothing ran since the check: no need to check again
         if await self._wait_turn(state):
-            await self._start_in_turn(state)
+            await self._start_in_turn(state, fits_checked=let_in_at_once)
         self._metrics.request_queue_time(state.request.model).observe(state.queued_s)
         self._update_gauges()
 
-    async def _start_in_turn(self, state: RequestState) -> None:
+    async def _start_in_turn(self, state: RequestState, fits_checked: bool = False) -> None:
         """Start the request on its running slot; back to the head of the queue while no decode
-        worker has room for its KV."""
+        worker has room for its KV. `fits_checked`: room() was asked since the request's last await."""
         assert state.ticket is not None
-        while not await self._start(state):
+        while not await self._start(state, fits_checked):
+            fits_checked = False
             self.admission.requeue(state.ticket)
             if not await self._wait_turn(state):
                 return
@@ -268,10 +270,13 @@ class Dispatcher:
         if room(self.registry, self.inflight, state.placement.request) is Room.NEVER:
             raise never_fits(self.registry, state.placement.request)
 
-    async def _start(self, state: RequestState) -> bool:
+    async def _start(self, state: RequestState, fits_checked: bool = False) -> bool:
         """Route the request, reserve its decode blocks, and start it on its workers. False when no
-        decode worker had room for it after all; True once it started, or its stream ended meanwhile."""
-        self._check_fits(state)
+        decode worker had room for it after all; True once it started, or its stream ended meanwhile.
+        `fits_checked`: whether it fits was asked with nothing awaited since (workers may have left
+        while it waited: then it is asked again)."""
+        if not fits_checked:
+            self._check_fits(state)
         plan = await plan_route(self.registry, self.inflight, state.placement.request, self.placement)
         if state.ending.closed:
             return True

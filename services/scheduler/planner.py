@@ -23,7 +23,8 @@ from services.scheduler.inflight import InflightTable, WorkerLoads
 from services.scheduler.prefill_placement import PrefillDecision, PrefillInputs, PrefillPlacement, PrefillSite
 from services.scheduler.model_placement import catalogue, prefer_holders, serving
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.router import Candidate, Score, blocks_for, cached_tokens, rank_decode, rank_prefill
+from services.scheduler.router import (Candidate, Score, blocks_for, cached_tokens, new_candidate, rank_decode,
+                                      rank_prefill)
 from tandem.v1 import scheduler_pb2
 
 RECORDED_SCORES = 16  # candidates of each kind a decision records (RouteInfo, the request's span), best first
@@ -240,8 +241,8 @@ def _candidates(registry: WorkerRegistry, loads: WorkerLoads, records: Iterable[
         info = record.info
         worker_id = info.worker_id
         free = _free_blocks(registry, loads, record) if worker_id in reserving else reported_free(record)
-        candidates.append(Candidate(worker_id, info.block_size, free, running(worker_id, 0), queued(worker_id, 0),
-                                    cached(worker_id, 0)))
+        candidates.append(new_candidate((worker_id, info.block_size, free, running(worker_id, 0),
+                                         queued(worker_id, 0), cached(worker_id, 0))))
     return candidates
 
 

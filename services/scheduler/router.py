@@ -13,6 +13,7 @@ as used; cost = -free_blocks. A worker with fewer free blocks than the request n
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -49,6 +50,12 @@ class Score(NamedTuple):
             queued_prefill_tokens=self.queued_prefill_tokens, free_blocks=self.free_blocks, running=self.running)
 
 
+# Build a Candidate or Score from one tuple of its fields, in order: tuple.__new__ straight from C, without
+# the Python frame of a named tuple's __new__ (routing builds one of each per worker on every request).
+new_candidate = partial(tuple.__new__, Candidate)
+_new_score = partial(tuple.__new__, Score)
+
+
 def cached_tokens(cached_blocks: int, block_size: int, prompt_tokens: int) -> int:
     """Prompt tokens a worker can take from its cache: whole cached blocks, never the last prompt token."""
     return max(0, min(cached_blocks * block_size, prompt_tokens - 1))
@@ -68,11 +75,10 @@ _PREFILL_ORDER = itemgetter(1, 5, 0)  # Score: cost, running, worker_id
 def rank_prefill(candidates: Iterable[Candidate], prompt_tokens: int, use_prefix: bool = True) -> list[Score]:
     """Prefill (or colocated) candidates, best first."""
     scores = []
-    for c in candidates:
-        matched = c.cached_blocks if use_prefix else 0
-        cached = cached_tokens(matched, c.block_size, prompt_tokens) if matched else 0
-        scores.append(Score(c.worker_id, float(prefill_cost(prompt_tokens, cached, c.queued_prefill_tokens)),
-                            matched, c.queued_prefill_tokens, 0, c.running))
+    for worker_id, block_size, _, running, queued, cached_blocks in candidates:
+        matched = cached_blocks if use_prefix else 0
+        cached = cached_tokens(matched, block_size, prompt_tokens) if matched else 0
+        scores.append(_new_score((worker_id, float(prompt_tokens - cached + queued), matched, queued, 0, running)))
     scores.sort(key=_PREFILL_ORDER)
     return scores
 
