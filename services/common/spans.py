@@ -208,9 +208,12 @@ def span_file(run_dir: Path, service: str) -> Path:
     return run_dir / f"{SPAN_FILE_PREFIX}{service}{SPAN_FILE_SUFFIX}"
 
 
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps with separators builds one a call
+
+
 def encode_records(records: Iterable[SpanRecord | SpanStart]) -> bytes:
     """JSON lines for `records`, ready to append to a span file in one write."""
-    return b"".join(json.dumps(r.to_json(), separators=(",", ":")).encode() + b"\n" for r in records)
+    return b"".join(_COMPACT_JSON.encode(r.to_json()).encode() + b"\n" for r in records)
 
 
 @dataclass(slots=True)

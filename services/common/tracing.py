@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -165,10 +166,15 @@ _APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 class JsonlSpanExporter(SpanExporter):
     """Appends spans to a file, one JSON record per line: finished spans (`export`) and start lines
     (`export_starts`). Each call is one O_APPEND write, so several processes of one service can share
-    the file without interleaving lines."""
+    the file without interleaving lines. The file stays open between writes (an open and a close a
+    line cost twice the write); it is opened again, and the old descriptor closed at shutdown, when
+    it was removed (a write to it would be lost) or a write failed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._fd: int | None = None
+        self._retired: list[int] = []  # descriptors replaced while another thread may still write to them
+        self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         return self._append(encode_records(span_record(s) for s in spans))
@@ -177,23 +183,41 @@ class JsonlSpanExporter(SpanExporter):
         return self._append(encode_records(starts))
 
     def _append(self, data: bytes) -> SpanExportResult:
+        fd = self._fd
         try:
+            if fd is None or os.fstat(fd).st_nlink == 0:
+                fd = self._reopen(fd)
+            _write_all(fd, data)
+        except OSError as exc:
+            _log.debug("tracing: writing %s failed: %s", self.path, exc)
+            with self._lock:
+                if fd is not None and self._fd == fd:
+                    self._retired.append(fd)
+                    self._fd = None
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def _reopen(self, stale: int | None) -> int:
+        """The open file, opened now unless another thread just did; `stale` is retired, not closed."""
+        with self._lock:
+            if self._fd is not None and self._fd != stale:
+                return self._fd
             try:
                 fd = os.open(self.path, _APPEND_FLAGS, 0o644)
             except FileNotFoundError:  # its directory is not there yet (or was removed)
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, _APPEND_FLAGS, 0o644)
-            try:
-                _write_all(fd, data)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            _log.debug("tracing: writing %s failed: %s", self.path, exc)
-            return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
+            if stale is not None:
+                self._retired.append(stale)
+            self._fd = fd
+            return fd
 
     def shutdown(self, timeout_millis: float = 30_000) -> None:
-        return None
+        with self._lock:
+            fds, self._retired = [*self._retired, *([self._fd] if self._fd is not None else [])], []
+            self._fd = None
+        for fd in fds:
+            os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

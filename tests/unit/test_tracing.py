@@ -240,3 +240,20 @@ def test_dead_otlp_endpoint_is_tried_off_the_request_thread_and_warns(
     # How many spans the first batch held depends on when the worker woke.
     assert re.fullmatch(f"tracing: cannot export spans to OTLP endpoint {re.escape(endpoint)}; dropping spans for "
                         r"the next 30s \(([1-9]\d*) finished span\(s\) dropped so far\)", warnings[0]), warnings
+
+
+def test_span_file_removed_while_open_is_written_anew(tmp_path: Path) -> None:
+    """The exporter keeps its file open between lines; a file removed meanwhile (or its directory)
+    is created again by the next line, not written to unlinked."""
+    provider = setup_tracing("decode", tmp_path / "run", install_global=False)
+    tracer = provider.get_tracer("test")
+    tracer.start_span(SpanName.DECODE, attributes={Attr.REQUEST_ID: "r1"}).end()
+    assert [s.request_id for s in load_span_files(tmp_path / "run").spans] == ["r1"]
+
+    (tmp_path / "run" / "spans-decode.jsonl").unlink()
+    (tmp_path / "run").rmdir()
+    tracer.start_span(SpanName.DECODE, attributes={Attr.REQUEST_ID: "r2"}).end()
+    loaded = load_span_files(tmp_path / "run")
+    assert [s.request_id for s in loaded.spans] == ["r2"]
+    assert [s.request_id for s in loaded.started] == ["r2"]
+    provider.shutdown()
