@@ -3,6 +3,15 @@
 --kv-transport auto (the default) ships KV through shared memory to each decode worker that can read
 this worker's segments (the same host: services/runtime/kv_shm.py), over gRPC to the others; grpc
 always ships over gRPC.
+
+Its steps hold one chunk (--max-batched-tokens defaults to --chunk-size's 512 here, against 2,048 on the
+other roles), so prompts prefill in arrival order, each in the next steps once the ones ahead are done,
+and a prompt whose last chunk leaves room shares its step with the next one. With a budget of four
+chunks, four 1,000-word prompts that arrived together advanced a chunk each a step and all got their
+first tokens at the end, 8.8-12.6 s in on one core (and the short prompts queued behind them with
+them), where in turn the first gets its token after its own 2-3 s. The scheduler's hybrid placement
+prices a prompt sent here as waiting for the prompts queued ahead of it
+(services/scheduler/prefill_placement.py): in arrival order, that is when its first token comes.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ SPEC = main_common.RoleSpec(
     make_servicer=lambda config, channels, loaded: PrefillServicer(loaded, config.kv_chunk_bytes, channels),
     services=(("tandem.v1.PrefillService", worker_pb2_grpc.add_PrefillServiceServicer_to_server), TOKEN_STREAM_SERVICE,
               MODEL_SERVICE),
+    max_batched_tokens=main_common.DEFAULT_CHUNK_SIZE,  # one chunk a step: prompts in arrival order
 )
 
 

@@ -138,6 +138,7 @@ class RoleSpec:
     services: tuple[tuple[str, Callable[[Any, Any], None]], ...]  # (service name, add_..._to_server)
     report_blocks: bool = True  # publish prefix-cache changes (workers that prefill)
     local_prefill: bool = False  # a decode worker that also serves Assign (WorkerInfo.local_prefill)
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # --max-batched-tokens's default
     max_receive_bytes: int = CONTROL_MESSAGE_BYTES  # MAX_MESSAGE_BYTES where KV chunks arrive
 
 
@@ -169,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
     add_option(parser, "--block-size", type=int, default=16,
                help="tokens per KV block; the flash attention backend needs a multiple of 256")
     add_option(parser, "--max-num-seqs", type=int, default=64, help="most sequences in one iteration")
-    add_option(parser, "--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+    add_option(parser, "--max-batched-tokens", type=int, default=spec.max_batched_tokens,
                help="token budget of one iteration")
     add_option(parser, "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="largest prompt chunk in one iteration")
     add_option(parser, "--kv-chunk-bytes", type=parse_size, default=1 << 20, help="largest KV chunk shipped")

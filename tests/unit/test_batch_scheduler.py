@@ -177,3 +177,17 @@ def test_prompt_chunks_stay_within_the_tokens_the_fit_is_trusted_for() -> None:
     batches.target = replace(batches.target, max_step_tokens=2)
     # no decodes: the minimum prompt chunk goes through whatever the trust
     assert run(batches.schedule()) == [("long", 4)]
+
+
+def test_a_budget_of_one_chunk_prefills_prompts_in_arrival_order_the_next_one_in_the_room_left() -> None:
+    # A prefill worker's steps (services/prefill/main.py): its prompts leave the engine once prefilled.
+    batches = scheduler(budget=8, chunk=8)
+    for name, tokens in (("first", 20), ("second", 20), ("short", 5)):
+        batches.add(seq(name, tokens))
+    steps = []
+    while batches.has_work():
+        steps.append(run(batches.schedule()))
+        for done in [s for s in batches.running if s.num_uncomputed_tokens == 1]:
+            batches.remove(done)
+    assert steps == [[("first", 8)], [("first", 8)], [("first", 4), ("second", 4)], [("second", 8)],
+                     [("second", 8)], [("short", 5)]]
