@@ -31,13 +31,23 @@ import numpy as np
 # sized to the whole target (200 ms) ran 190-225 ms on a quiet 2-core AMD EPYC, and the ITL p99 then
 # landed either side of 250 ms run to run.
 STEP_HEADROOM = 0.2
+# A hybrid decode worker's (tandem decode --hybrid) headroom. A client's request meets the ITL target only
+# if its longest gap does (64 tokens: the p99 of its gaps is the longest), and one long step stretches
+# the gap of every request decoding in it. Such a worker has a prefill worker beside it for the prompts
+# its steps have no room for, so it sizes its local prompt chunks with more room for error: in a quiet
+# c16-long pair its steps sized to 80% of the target gave gaps to 237 ms (on one core, the steps ran up
+# to 1.5x their prediction), and under load (load average 5.5) 213-350 ms, in most of its requests.
+HYBRID_STEP_HEADROOM = 0.4
 
 
-def aimed_step_ms(itl_ms: float) -> float:
-    """The time a step is sized to under the ITL target `itl_ms`: the target less the headroom. The one
-    definition both sides use: the worker sizes its steps to it (services/runtime/batch_scheduler.py), and
-    the scheduler prices a hybrid decode worker's local prefill with it (services/scheduler/prefill_placement.py)."""
-    return itl_ms * (1 - STEP_HEADROOM)
+def aimed_step_ms(itl_ms: float, headroom: float = STEP_HEADROOM) -> float:
+    """The time a step is sized to under the ITL target `itl_ms`: the target less the headroom
+    (`HYBRID_STEP_HEADROOM` on a hybrid decode worker). The one definition both sides use: the worker
+    sizes its steps to it (services/runtime/batch_scheduler.py, services/worker/runtime.py), and the
+    scheduler prices a hybrid decode worker's local prefill with it (services/scheduler/prefill_placement.py)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"a step headroom is a share of the ITL target in [0, 1), got {headroom}")
+    return itl_ms * (1 - headroom)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +104,19 @@ class StepCostFit:
     The first `warmup` steps are not recorded: they pay one-time costs (first touch of the KV pool,
     kernel selection) that took a fresh CPU worker's fitted fixed cost to 900 ms.
 
+    `fold_fixed`: when every step computed the same number of tokens, fit without the fixed term (folded
+    into the per-token one) instead of giving no model. A prefill worker's steps hold one chunk
+    (services/prefill/main.py), so a busy one's steps all have 512 tokens and differ only in their KV
+    reads: it had no model, and the scheduler priced its queue at the decode worker's rates (3.5 ms a
+    token in a loaded c16-long run, against its own 0.87 ms and 0.0045 ms a KV read). Its model prices
+    whole prompts, where the folded fixed cost is the per-chunk one.
+
     `overrun_ms(cost)` says how far the last `recent` steps ran past what `cost` predicts: a fit over
     `window` steps follows the mean, and its steps ran up to 2.6x their prediction when the machine's
     speed moved (other processes on the cores, the VM), which is what a step target must leave room for."""
 
-    def __init__(self, window: int = 256, min_samples: int = 16, warmup: int = 8, recent: int = 64) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 16, warmup: int = 8, recent: int = 64,
+                 fold_fixed: bool = False) -> None:
         if min_samples < 3 or window < min_samples or warmup < 0 or not 0 < recent <= window:
             raise ValueError(f"need window >= min_samples >= 3 steps, warmup >= 0 and 0 < recent <= window, got "
                              f"window={window}, min_samples={min_samples}, warmup={warmup}, recent={recent}")
@@ -106,6 +124,7 @@ class StepCostFit:
         self._min_samples = min_samples
         self._skip = warmup
         self._recent = recent
+        self._fold_fixed = fold_fixed
 
     def record(self, new_tokens: int, context_tokens: int, ms: float, decode_context_tokens: int = 0) -> None:
         if self._skip > 0:
@@ -119,6 +138,8 @@ class StepCostFit:
         design = np.array([[1.0, s.new_tokens, s.context_tokens, s.decode_context_tokens] for s in self._samples])
         used = design.any(axis=0)
         used[:2] = True
+        if self._fold_fixed and np.ptp(design[:, 1]) == 0:
+            used[0] = False
         if np.linalg.matrix_rank(design[:, used]) < used.sum():
             return None
         times = np.array([s.ms for s in self._samples])

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.blocks import ceil_div
-from services.common.step_cost import StepCost, StepCostFit, aimed_step_ms
+from services.common.step_cost import STEP_HEADROOM, StepCost, StepCostFit, aimed_step_ms
 from services.runtime.block_manager import BlockManager
 from services.runtime.counters import EngineCounters
 from services.runtime.sequence import Sequence, SequenceStatus
@@ -76,12 +76,13 @@ class StepTarget:
         return self.step_ms - min(self.margin_ms, self.step_ms / 2)
 
     @classmethod
-    def of(cls, itl_ms: float, min_prefill_tokens: int, steps: StepCostFit) -> StepTarget:
-        """The target for steps under the ITL target `itl_ms` less the headroom, with the worker's fit of
+    def of(cls, itl_ms: float, min_prefill_tokens: int, steps: StepCostFit,
+           headroom: float = STEP_HEADROOM) -> StepTarget:
+        """The target for steps under the ITL target `itl_ms` less `headroom`, with the worker's fit of
         its `steps`, the margin they overran it by and the most tokens they trust it for; with no cost model
         when the fit prices no prompt token (noise on a loaded machine fitted 0 ms a token and 0 a KV
         entry: such a fit would size chunks without bound)."""
-        step_ms = aimed_step_ms(itl_ms)
+        step_ms = aimed_step_ms(itl_ms, headroom)
         fit = steps.fit()
         if fit is None or (fit.per_token_ms <= 0 and fit.per_context_token_ms <= 0):
             return cls(step_ms, min_prefill_tokens, None)

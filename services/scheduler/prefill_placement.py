@@ -9,8 +9,9 @@ with the prompt's uncached tokens and the prompt tokens already queued there (P 
 
 its decodes reading C KV entries at the decode rate (the prompts of the requests this scheduler has
 generating there, or `context` each), the prompt's P * (P + 1) / 2 at the prompt chunks' rate. When
-that stays within the step the worker aims at (`aimed = aimed_step_ms(itl)`: the ITL target,
---slo-itl-ms, less the headroom the worker keeps for the token's delivery; services/common/step_cost.py)
+that stays within the step a hybrid decode worker aims at (`aimed = aimed_step_ms(itl,
+HYBRID_STEP_HEADROOM)`: the ITL target, --slo-itl-ms, less the headroom such a worker keeps for the
+token's delivery and the steps' errors; services/common/step_cost.py)
 the request prefills locally in one step and its KV never moves. Otherwise, with a TTFT target
 (--slo-ttft-ms), the two first-token times decide. Under the SLO policy the decode worker cuts prompts
 into chunks that keep each step within that aimed step, so a local prefill's work W (the queued
@@ -39,7 +40,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from services.common.step_cost import StepCost, aimed_step_ms, chunk_reads
+from services.common.step_cost import HYBRID_STEP_HEADROOM, StepCost, aimed_step_ms, chunk_reads
 from services.common.tracing import Attr
 
 
@@ -133,7 +134,7 @@ class PlacementPolicy:
             return PrefillDecision(PrefillSite.LOCAL if short else PrefillSite.REMOTE,
                                    Reason.SHORT_PROMPT if short else Reason.LONG_PROMPT, inputs)
         step = self.next_step_ms(cost, inputs)
-        if step <= aimed_step_ms(self.itl_ms):
+        if step <= self.aimed_step_ms:
             return PrefillDecision(PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs, step)
         if self.ttft_ms <= 0:
             return PrefillDecision(PrefillSite.REMOTE, Reason.OVER_ITL, inputs, step)
@@ -143,6 +144,11 @@ class PlacementPolicy:
         else:
             site, reason = PrefillSite.REMOTE, Reason.REMOTE_SOONER if remote <= local else Reason.OVER_TTFT
         return PrefillDecision(site, reason, inputs, step, local, remote)
+
+    @property
+    def aimed_step_ms(self) -> float:
+        """The step a hybrid decode worker sizes its local prompt chunks to under the ITL target."""
+        return aimed_step_ms(self.itl_ms, HYBRID_STEP_HEADROOM)
 
     def next_step_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
         """The decode worker's next step with its running decodes and the whole local prefill in it."""
@@ -156,7 +162,7 @@ class PlacementPolicy:
     def local_ttft_ms(self, cost: StepCost, inputs: PrefillInputs) -> float:
         """The first token of a local prefill chunked into the room the decodes leave each step within
         the step the worker aims at (inf: they leave none), each such step taking that aimed time."""
-        aimed = aimed_step_ms(self.itl_ms)
+        aimed = self.aimed_step_ms
         room = aimed - cost.fixed_ms - self.decodes_ms(cost, inputs)
         work = _prefill_ms(cost, inputs.queued_tokens, inputs.queued_reads, inputs.uncached_tokens)
         if room <= 0:

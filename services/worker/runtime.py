@@ -27,8 +27,8 @@ from services.common.blocks import ceil_div
 from services.common.errors import FailedPrecondition, NotFound, Overloaded
 from services.common.metrics import ServiceMetrics
 from services.common.spans import Attr, SpanName
-from services.common.step_cost import StepCost, StepCostFit
-from services.runtime.batch_scheduler import StepTarget, aimed_step_ms
+from services.common.step_cost import HYBRID_STEP_HEADROOM, STEP_HEADROOM, StepCost, StepCostFit, aimed_step_ms
+from services.runtime.batch_scheduler import StepTarget
 from services.runtime.counters import EngineCounters
 from services.runtime.engine import Engine, RequestOutput
 from services.runtime.kv_handoff import KvHandoff
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tandem.worker")
 STEP_COST_REFIT_STEPS = 16  # under a step target, the engines get the refitted cost model this often,
 # and at once after a step that ran past the target
+PREFILL_FIT_MIN_STEPS = 6  # a prefill worker's step-cost fit needs this many steps, after its first
+PREFILL_FIT_WARMUP_STEPS = 2  # few: they take a chunk each (0.4-3 s on a CPU)
 BLOCKS_WAIT_S = 0.5  # prefix-cache changes wait this long for a token batch to ride before going alone
 # A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
 EngineLoader = Callable[[str], Awaitable[Engine]]
@@ -116,7 +118,7 @@ class WorkerRuntime:
         self._metadata = metadata
         self.registrations: list[Registration] = []  # once the primary model is loaded: see start
         self.block_size = 0  # tokens per KV block, of every model's pool: known once the primary loads
-        self.step_cost = StepCostFit()
+        self.step_cost = self._step_cost_fit(identity.role)
         self._steps_since_refit = 0
         self.policy = scheduler_pb2.BatchPolicy()
         self._limits: dict[str, int] = {}  # the policy's batch limits, for every engine loaded later too
@@ -345,16 +347,32 @@ class WorkerRuntime:
         self._steps_since_refit += 1
         target_ms = self.policy.step_target_ms
         if target_ms > 0 and served is not None and (self._steps_since_refit >= STEP_COST_REFIT_STEPS
-                                                     or step_ms > aimed_step_ms(target_ms)):
+                                                     or step_ms > aimed_step_ms(target_ms, self.step_headroom)):
             self._steps_since_refit = 0
             served.engine.scheduler.target = self._step_target()
+
+    @staticmethod
+    def _step_cost_fit(role: int) -> StepCostFit:
+        """A prefill worker's steps hold one chunk each (the same tokens: the fixed cost folds into the
+        per-token one) and last up to seconds on a CPU: it fits from fewer of them, or the scheduler would
+        price its queue at a decode worker's rates for its first 24 steps (12-40 s of c16-long)."""
+        if role == common_pb2.WORKER_ROLE_PREFILL:
+            return StepCostFit(min_samples=PREFILL_FIT_MIN_STEPS, warmup=PREFILL_FIT_WARMUP_STEPS, fold_fixed=True)
+        return StepCostFit()
+
+    @property
+    def step_headroom(self) -> float:
+        """The share of the step target a step leaves unused: more on a hybrid decode worker, whose prompts
+        the scheduler sends to a prefill worker when its steps have no room (services/common/step_cost.py)."""
+        return HYBRID_STEP_HEADROOM if self.identity.local_prefill else STEP_HEADROOM
 
     def _step_target(self) -> StepTarget | None:
         """The policy's step target with this worker's latest cost fit and the margin by which recent steps
         overran it (None: no target); the margin goes to /metrics (tandem:batch_policy{field="step_margin_ms"})."""
         if self.policy.step_target_ms <= 0:
             return None
-        target = StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost)
+        target = StepTarget.of(self.policy.step_target_ms, self.policy.min_prefill_tokens, self.step_cost,
+                               self.step_headroom)
         if self.metrics is not None:
             self.metrics.batch_policy("step_margin_ms").set(target.margin_ms)
         return target

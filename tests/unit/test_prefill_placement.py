@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from services.common.block_hash import hash_chain
 from services.common.errors import InvalidRequest, Unavailable
-from services.common.step_cost import StepCost
+from services.common.step_cost import HYBRID_STEP_HEADROOM, StepCost, aimed_step_ms
 from services.common.store import EmbeddedStore, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
 from services.scheduler.convert import info_from_pb
 from services.scheduler.deadline import Deadline
@@ -41,13 +41,15 @@ def inputs(uncached: int, queued: int = 0, running: int = 0, remote: bool = True
 # -- the decision -----------------------------------------------------------------------------
 
 def test_a_prefill_whose_next_step_fits_the_step_the_worker_aims_at_is_local() -> None:
-    # 10 + 0.1 * (4 running + 290 prompt tokens) = 39.4 ms <= 40 ms, the 50 ms target less the worker's headroom
-    assert ITL.decide(inputs(290, running=4), COST) == PrefillDecision(
-        PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs(290, running=4), step_ms=pytest.approx(39.4))
+    # 10 + 0.1 * (4 running + 190 prompt tokens) = 29.4 ms <= 30 ms, the 50 ms target less a hybrid decode
+    # worker's headroom (40%), as the worker sizes its steps
+    assert ITL.aimed_step_ms == 30.0 == aimed_step_ms(50.0, HYBRID_STEP_HEADROOM)
+    assert ITL.decide(inputs(190, running=4), COST) == PrefillDecision(
+        PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs(190, running=4), step_ms=pytest.approx(29.4))
 
 
 def test_a_step_within_the_itl_target_but_past_the_aimed_step_is_not_within_it() -> None:
-    # 10 + 0.1 * 304 = 40.4 ms: within 50 ms, but the worker sizes its steps to 40 ms and would chunk it
+    # 10 + 0.1 * 304 = 40.4 ms: within 50 ms, but the worker sizes its steps to 30 ms and would chunk it
     decision = ITL.decide(inputs(300, running=4), COST)
     assert (decision.site, decision.reason, decision.step_ms) == (PrefillSite.REMOTE, Reason.OVER_ITL,
                                                                    pytest.approx(40.4))
@@ -74,8 +76,8 @@ TTFT = PlacementPolicy(itl_ms=50.0, context_tokens=1024, local_tokens=256, ttft_
 
 
 def test_over_the_itl_target_in_one_step_a_prefill_chunked_locally_that_meets_the_ttft_target_sooner_is_local() -> None:
-    # one step with it: 10 + 0.1 * 4 + 0.1 * 600 = 70.4 ms > 40 (the step aimed at under 50); chunked into the
-    # 40 - 10 - 0.4 = 29.6 ms the decodes leave a step: ceil(60 / 29.6) = 3 steps of 40 ms; remote: 10 + 0.1 *
+    # one step with it: 10 + 0.1 * 4 + 0.1 * 600 = 70.4 ms > 30 (the step aimed at under 50); chunked into the
+    # 30 - 10 - 0.4 = 19.6 ms the decodes leave a step: ceil(60 / 19.6) = 4 steps of 30 ms; remote: 10 + 0.1 *
     # (20,000 queued + 600)
     deep = inputs(600, running=4, remote_tokens=600, remote_queued_tokens=20_000)
     assert TTFT.decide(deep, COST) == PrefillDecision(PrefillSite.LOCAL, Reason.LOCAL_SOONER, deep, step_ms=pytest.approx(70.4),
@@ -96,7 +98,7 @@ def test_a_prompt_that_misses_the_ttft_target_on_both_sites_goes_remote_and_leav
 
 
 def test_decodes_that_fill_the_itl_target_leave_a_local_prefill_no_room() -> None:
-    full = inputs(600, running=400, remote_tokens=600, remote_queued_tokens=20_000)  # 10 + 400 * 0.1 = 50 > 40 ms
+    full = inputs(600, running=400, remote_tokens=600, remote_queued_tokens=20_000)  # 10 + 400 * 0.1 = 50 > 30 ms
     decision = TTFT.decide(full, COST)
     assert (decision.site, decision.local_ttft_ms) == (PrefillSite.REMOTE, float("inf"))
     assert decision.span_attributes()["tandem.prefill.local_ttft_ms"] == -1.0
@@ -107,8 +109,8 @@ def test_both_queues_count_their_tokens_and_the_kv_their_chunks_read_and_the_pre
     remote_cost = StepCost(fixed_ms=20.0, per_token_ms=0.2, per_context_token_ms=0.002)
     queued = inputs(100, queued=50, running=4, queued_reads=1_000, remote_tokens=100, remote_queued_tokens=300,
                     remote_queued_reads=5_000)
-    # local work: 0.1 * 150 + 0.001 * (1,000 + 5,050) = 21.05 ms in 40 - 10 - 0.4 = 29.6 ms a step: 1 step of 40 ms
-    assert TTFT.local_ttft_ms(local_cost, queued) == 40.0
+    # local work: 0.1 * 150 + 0.001 * (1,000 + 5,050) = 21.05 ms in 30 - 10 - 0.4 = 19.6 ms a step: 2 steps of 30 ms
+    assert TTFT.local_ttft_ms(local_cost, queued) == 60.0
     # remote: 20 + 0.2 * 400 + 0.002 * (5,000 + 5,050)
     assert TTFT.remote_ttft_ms(remote_cost, queued) == pytest.approx(120.1)
     placement = PrefillPlacement(TTFT)
@@ -148,10 +150,10 @@ def test_with_no_prefill_worker_every_prompt_prefills_locally() -> None:
 
 
 def test_the_decision_goes_on_the_span_with_its_inputs() -> None:
-    assert ITL.decide(inputs(290, queued=2, running=4), COST).span_attributes() == {
+    assert ITL.decide(inputs(190, queued=2, running=4), COST).span_attributes() == {
         "tandem.prefill.placement": "local", "tandem.prefill.placement_reason": "within_itl",
-        "tandem.prefill.uncached_tokens": 290, "tandem.prefill.queued_tokens": 2,
-        "tandem.prefill.decode_running": 4, "tandem.prefill.predicted_step_ms": 39.6}
+        "tandem.prefill.uncached_tokens": 190, "tandem.prefill.queued_tokens": 2,
+        "tandem.prefill.decode_running": 4, "tandem.prefill.predicted_step_ms": 29.6}
 
 
 def test_a_bad_policy_is_refused() -> None:
@@ -221,17 +223,17 @@ async def test_the_cost_model_and_the_decode_workers_queue_and_running_requests_
     registry = await registry_with(PREFILL, HYBRID)
     placement = PrefillPlacement(PlacementPolicy(itl_ms=50.0, local_tokens=0))
     placement.observe("d-0", StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_token_ms=0.0))
-    plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)  # 10 + 30 = 40 ms
-    assert plan.colocated and (plan.placement.reason, plan.placement.step_ms) == (Reason.WITHIN_ITL, 40.0)
+    plan = await plan_route(registry, InflightTable(), submit([7] * 20), placement)  # 10 + 20 = 30 ms
+    assert plan.colocated and (plan.placement.reason, plan.placement.step_ms) == (Reason.WITHIN_ITL, 30.0)
 
     inflight = InflightTable()  # one request prefilling locally on d-0: 15 queued tokens, 1 running
     queued = Placement(submit([1] * 15), colocated=True, prefill=HYBRID, uncached_tokens=15)
     inflight.add(RequestState(queued.request, Deadline(), trace.INVALID_SPAN, Ending("q"), queued))
-    plan = await plan_route(registry, inflight, submit([7] * 30), placement)  # 10 + 1 + 15 + 30 = 56 ms
+    plan = await plan_route(registry, inflight, submit([7] * 20), placement)  # 10 + 1 + 15 + 20 = 46 ms
     assert not plan.colocated and plan.prefill[0].worker_id == "p-0"
-    assert (plan.placement.reason, plan.placement.step_ms) == (Reason.OVER_ITL, 56.0)
-    assert plan.placement.inputs == inputs(30, queued=15, running=1, running_context=15, queued_reads=15 * 16 // 2,
-                                           remote_tokens=30)
+    assert (plan.placement.reason, plan.placement.step_ms) == (Reason.OVER_ITL, 46.0)
+    assert plan.placement.inputs == inputs(20, queued=15, running=1, running_context=15, queued_reads=15 * 16 // 2,
+                                           remote_tokens=20)
 
     placement.observe("d-0", None)  # the worker lost its model (restarted): the prompt-length rule again
     plan = await plan_route(registry, InflightTable(), submit([7] * 30), placement)
@@ -249,8 +251,8 @@ async def test_the_prefill_workers_queue_weighs_against_a_local_prefill_in_chunk
     reads = 884 * 16 + 884 * 885 // 2  # its chunks' tokens from position 16 on
     assert plan.placement.inputs == inputs(60, running_context=0, remote_tokens=60, remote_queued_tokens=884,
                                            remote_queued_reads=reads)
-    # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 30 ms room (40 aimed, less 10 fixed): 3 steps of
-    # 40 ms; remotely: 10 + 944 + 0.001 * (reads + 1,830)
+    # locally: 60 + 0.001 * 1,830 ms of prompt work in steps of 20 ms room (30 aimed, less 10 fixed): 4 steps of
+    # 30 ms; remotely: 10 + 944 + 0.001 * (reads + 1,830)
     assert plan.colocated and plan.placement.reason is Reason.LOCAL_SOONER
     assert (plan.placement.local_ttft_ms, plan.placement.remote_ttft_ms) == (120.0, pytest.approx(10 + 944 + 0.001 * (reads + 1830)))
     assert plan.prefill == [Score("d-0", 60.0, free_blocks=1000)]

@@ -15,13 +15,16 @@ from services.common.step_cost import StepCost, StepCostFit
 from services.common.store import EmbeddedStore
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.prefill_placement import PlacementPolicy
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
 from services.runtime.engine import IterationWork
 from services.worker.engine_loop import EngineSnapshot, StepResult
 from services.worker.registration import Registration
-from services.worker.runtime import STEP_COST_REFIT_STEPS, ModelPlan, WorkerIdentity, WorkerRuntime
+from services.worker.runtime import (
+    PREFILL_FIT_MIN_STEPS, PREFILL_FIT_WARMUP_STEPS, STEP_COST_REFIT_STEPS, ModelPlan, WorkerIdentity, WorkerRuntime,
+)
 from services.worker.stats import policy_attributes, record_policy
 from services.worker.transport import internal_metadata
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -114,3 +117,31 @@ async def test_the_worker_sizes_steps_with_the_margin_its_steps_overran_by_and_r
     assert scheduler.target.sizing_ms == pytest.approx(40.0 - scheduler.target.margin_ms)  # the headroom: 10 ms
     assert metrics.registry.get_sample_value("tandem:batch_policy", {"model_name": "m", "worker": "colo-w",
                                                                       "field": "step_margin_ms"}) == scheduler.target.margin_ms
+
+
+def test_a_hybrid_decode_worker_sizes_its_steps_to_the_step_the_hybrid_placement_prices() -> None:
+    def aimed(role: int, local_prefill: bool) -> float:
+        runtime = WorkerRuntime(WorkerIdentity("w", role, "127.0.0.1:1", "m", "cpu", local_prefill=local_prefill),
+                                ModelPlan({"m": 1}, 1), make_engine=None, schedulers=[])
+        runtime.policy = scheduler_pb2.BatchPolicy(step_target_ms=50, min_prefill_tokens=4)
+        return runtime._step_target().step_ms
+
+    assert aimed(common_pb2.WORKER_ROLE_DECODE, local_prefill=True) == 30.0  # 40% headroom
+    assert PlacementPolicy(itl_ms=50.0).aimed_step_ms == 30.0  # what the scheduler prices its local prefills with
+    assert aimed(common_pb2.WORKER_ROLE_COLOCATED, local_prefill=False) == 40.0  # 20%
+    assert aimed(common_pb2.WORKER_ROLE_DECODE, local_prefill=False) == 40.0
+
+
+def test_a_prefill_worker_fits_its_one_chunk_steps_after_a_few_of_them() -> None:
+    def fit_after(role: int, steps: int):
+        runtime = WorkerRuntime(WorkerIdentity("w", role, "127.0.0.1:1", "m", "cpu"), ModelPlan({"m": 1}, 1),
+                                make_engine=None, schedulers=[])
+        for i in range(steps):
+            reads = 512 * 512 * (i % 3) + 512 * 513 // 2  # the chunk from position 0, 512 or 1,024
+            runtime.step_cost.record(512, reads, 512.0 + 0.004 * reads)
+        return runtime.step_cost.fit()
+
+    assert fit_after(common_pb2.WORKER_ROLE_PREFILL, PREFILL_FIT_WARMUP_STEPS + PREFILL_FIT_MIN_STEPS - 1) is None
+    fit = fit_after(common_pb2.WORKER_ROLE_PREFILL, PREFILL_FIT_WARMUP_STEPS + PREFILL_FIT_MIN_STEPS)
+    assert (fit.fixed_ms, fit.per_token_ms, fit.per_context_token_ms) == (0.0, pytest.approx(1.0), pytest.approx(0.004))
+    assert fit_after(common_pb2.WORKER_ROLE_COLOCATED, 64) is None  # steps all alike: no model, as before

@@ -142,3 +142,20 @@ def test_window_smaller_than_min_samples_is_refused() -> None:
         StepCostFit(window=4, min_samples=8)
     with pytest.raises(ValueError, match="recent=300"):
         StepCostFit(window=256, recent=300)
+
+
+def test_steps_of_one_chunk_fit_with_the_fixed_cost_folded_into_the_tokens_when_asked() -> None:
+    # A prefill worker's steps: always 512 tokens, the chunk's KV reads growing with its position.
+    truth = StepCost(fixed_ms=51.2, per_token_ms=0.9, per_context_token_ms=0.0045)
+    steps, folded = StepCostFit(min_samples=6, warmup=0), StepCostFit(min_samples=6, warmup=0, fold_fixed=True)
+    for start in (0, 512, 0, 512, 1024, 0):
+        reads = 512 * start + 512 * 513 // 2
+        for fit in (steps, folded):
+            fit.record(512, reads, truth.step_ms(512, reads))
+    assert steps.fit() is None  # the fixed cost and the per-token one cannot be told apart
+    fit = folded.fit()
+    assert (fit.fixed_ms, fit.per_token_ms, fit.per_context_token_ms) == (
+        0.0, pytest.approx(0.9 + 51.2 / 512), pytest.approx(0.0045))
+    assert fit.chunk_ms(0, 512) == pytest.approx(truth.step_ms(512, 512 * 513 // 2))
+    folded.record(100, 100 * 101 // 2, truth.step_ms(100, 100 * 101 // 2))  # the tokens vary: the fixed term again
+    assert folded.fit().fixed_ms == pytest.approx(51.2)
