@@ -206,7 +206,10 @@ async def _prefix_matches(registry: WorkerRegistry, request: scheduler_pb2.Submi
     """Leading blocks of the prompt each worker caches (those caching none left out), hashing the
     prompt once per block size and model. With one such chain for every worker (the usual case) the
     index's answer is taken whole: it may name workers that are no candidates, never looked up."""
-    keys = {(w.info.block_size, _chain_model(request, w)) for w in workers}
+    if request.model:  # the usual case: one chain model for all, no call per worker to say so
+        keys = {(block_size, request.model) for block_size in {w.info.block_size for w in workers}}
+    else:
+        keys = {(w.info.block_size, _chain_model(request, w)) for w in workers}
     if len(keys) == 1:
         return await registry.match_prefix(_chain(request, *keys.pop()))
     groups: dict[tuple[int, str], set[str]] = {}
