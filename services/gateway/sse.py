@@ -5,6 +5,7 @@ stream, a failed one included (after one error event in the OpenAI error shape).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.common.errors import TandemError
@@ -64,19 +66,51 @@ class TextTemplates:
         return before, after
 
 
-class SseResponse(StreamingResponse):
-    """A stream that runs `on_close` however it ends: finished, failed, or the client gone
-    (Starlette cancels the body then, possibly before it was ever started)."""
+# The scope key under which http_server's outermost ASGI layer keeps the HTTP server's own `send`.
+SERVER_SEND = "tandem.server_send"
 
-    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+
+class SseResponse(StreamingResponse):
+    """A stream that runs `on_close` however it ends: finished, failed, or the client gone (the
+    body is cancelled then, possibly before it was ever started).
+
+    The start message goes through the middleware (it adds the request and trace ids); the body's
+    events go straight to the HTTP server's send when the scope carries it (SERVER_SEND), past the
+    middleware's send wrappers, which act on the start message alone: one event a token makes
+    that path a part of each event's cost. The client leaving is watched beside the body, as
+    Starlette's StreamingResponse does, without its task group."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type=MEDIA_TYPE, headers={"cache-control": "no-cache"})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            streaming = asyncio.ensure_future(self._stream(send, scope.get(SERVER_SEND, send)))
+            leaving = asyncio.ensure_future(_disconnect(receive))
+            try:
+                await asyncio.wait((streaming, leaving), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                streaming.cancel()
+                leaving.cancel()
+            if streaming.done() and not streaming.cancelled():
+                streaming.result()  # the body's own failure
         finally:
             self._on_close()
+
+    async def _stream(self, send: Send, body_send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            raise ClientDisconnect() from None  # as Starlette's: the client is gone
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def events(shaper: ResponseShaper, choices: ChoiceSet, n: int, include_usage: bool) -> AsyncIterator[bytes]:

@@ -4,13 +4,14 @@ the JSON path."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from services.gateway.openai_responses import ChatShaper, CompletionShaper, ResponseShaper
 from services.gateway.output import Chunk
-from services.gateway.sse import TextTemplates, event
+from services.gateway.sse import DONE, SERVER_SEND, SseResponse, TextTemplates, event
 from services.gateway.tools import FunctionDefinition, Tool, ToolPlan
 from tandem.v1 import common_pb2
 
@@ -61,3 +62,74 @@ def test_chat_with_tools_is_left_to_the_json() -> None:
     plan = ToolPlan((Tool(type="function", function=FunctionDefinition(name="get_weather")),), "auto")
     shaper = ChatShaper("chatcmpl-1", 0, "m", token_text, with_logprobs=False, tools=plan)
     assert TextTemplates(shaper).event(0, Chunk([1], "Hi")) is None
+
+
+async def _stream_with(scope_send: bool, body: list[bytes]) -> tuple[list[dict], list[dict], list[str]]:
+    """Run an SseResponse over `body`: the messages to the app's send and to the server's own
+    (sse.SERVER_SEND, when the scope has it), and what closed."""
+    through_app: list[dict] = []
+    to_server: list[dict] = []
+    closed: list[str] = []
+
+    async def events():
+        for item in body:
+            yield item
+
+    async def app_send(message: dict) -> None:
+        through_app.append(message)
+
+    async def server_send(message: dict) -> None:
+        to_server.append(message)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # the client stays
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", **({SERVER_SEND: server_send} if scope_send else {})}
+    await SseResponse(events(), lambda: closed.append("closed"))(scope, receive, app_send)
+    return through_app, to_server, closed
+
+
+async def test_the_start_goes_through_the_app_and_the_events_to_the_server() -> None:
+    through_app, to_server, closed = await _stream_with(True, [b"data: 1\n\n", DONE])
+    assert [message["type"] for message in through_app] == ["http.response.start"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in through_app[0]["headers"]
+    assert [(message["body"], message["more_body"]) for message in to_server] == \
+        [(b"data: 1\n\n", True), (DONE, True), (b"", False)]
+    assert closed == ["closed"]
+
+
+async def test_without_the_servers_send_every_message_goes_through_the_app() -> None:
+    through_app, to_server, closed = await _stream_with(False, [DONE])
+    assert [message["type"] for message in through_app] == ["http.response.start", "http.response.body",
+                                                            "http.response.body"]
+    assert to_server == [] and closed == ["closed"]
+
+
+async def test_a_client_that_leaves_ends_the_body_and_closes() -> None:
+    cancelled = asyncio.Event()
+    closed: list[str] = []
+
+    async def events():
+        yield b"data: 1\n\n"
+        try:
+            await asyncio.Event().wait()  # the next token never comes
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        yield DONE
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        while len(sent) < 2:  # the start and the first event
+            await asyncio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(SseResponse(events(), lambda: closed.append("closed"))({"type": "http"}, receive, send), 10)
+    assert closed == ["closed"]
+    await asyncio.wait_for(cancelled.wait(), 10)
+    assert [message.get("body") for message in sent] == [None, b"data: 1\n\n"]

@@ -546,6 +546,23 @@ async def live_client(codec, served_model, scheduler) -> AsyncIterator[httpx.Asy
         await server.stop()
 
 
+async def test_a_stream_served_by_uvicorn_has_its_headers_and_every_event(live_client, fake, codec):
+    """The body's events go to the server's own send (http_server.ServerSend), past the middleware:
+    the headers it adds still come with the start, and the events are the same as through it."""
+    body = {"prompt": PROMPT, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+    response = await live_client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-trace-id"] == fake.submits[0].trace_id
+    events = _events(response.text)
+    chunks, usage, done = events[:-2], events[-2], events[-1]
+    assert done == "[DONE]"
+    assert all(c["id"] == f"cmpl-{response.headers['x-request-id']}" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+    assert usage["usage"]["completion_tokens"] == len(fake.reply_ids())
+
+
 async def test_client_disconnect_mid_stream_cancels_upstream(live_client, fake):
     fake.hold_after = 1
     body = {"prompt": "Hi", "max_tokens": 100, "stream": True}
