@@ -10,7 +10,7 @@ several) and the load average. Bounded: requests x tokens, each request with a t
 process is stopped at the end. `--profile FILE` records the gateway with py-spy (speedscope JSON).
 
 Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]
-[--stream-interval 4]`.
+[--stream-interval 4] [--event-loop asyncio]`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ class Result:
     wall_s: float
     tokens_per_s: float
     stream_interval: int
+    event_loop: str  # the gateway's --event-loop
     gateway_cpu_ms_per_token: float
     gateway_cpu_ms_per_request: float
     event_loop_cpu_ms_per_token: float  # the gateway's main thread alone: its asyncio event loop
+    event_loop_system_ms_per_token: float  # of which in the kernel (the socket writes and reads, the polls)
     gateway_threads_cpu_s: dict[str, float]  # the run's CPU per gateway thread name (event loop, gRPC poller, ...)
     loadavg_before: str
     loadavg_after: str
@@ -105,9 +107,10 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                                      "--format", "speedscope", "--output", str(args.profile), "--rate", "200", *native],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load_before, cpu_before, threads_before, started = loadavg(), cpu_seconds(pid), thread_cpu(pid), time.monotonic()
-    loop_before = loop_cpu(pid)
+    loop_before, loop_system_before = loop_cpu(pid), loop_cpu(pid, system_only=True)
     outcome = asyncio.run(drive(cluster.http_gateway, args.requests, args))
     wall, used, loop_used = time.monotonic() - started, cpu_seconds(pid) - cpu_before, loop_cpu(pid) - loop_before
+    loop_system = loop_cpu(pid, system_only=True) - loop_system_before
     threads = {name: round(cpu - threads_before.get(name, 0.0), 3) for name, cpu in thread_cpu(pid).items()}
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT, not on SIGTERM
@@ -115,18 +118,21 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
     tokens = max(outcome.tokens, 1)
     return Result(requests=args.requests, failed=outcome.failed, tokens=outcome.tokens, events=outcome.events,
                   wall_s=round(wall, 2), tokens_per_s=round(outcome.tokens / wall, 1),
-                  stream_interval=args.stream_interval,
+                  stream_interval=args.stream_interval, event_loop=args.event_loop,
                   gateway_cpu_ms_per_token=round(used * 1e3 / tokens, 4),
                   gateway_cpu_ms_per_request=round(used * 1e3 / max(args.requests, 1), 2),
                   event_loop_cpu_ms_per_token=round(loop_used * 1e3 / tokens, 4),
+                  event_loop_system_ms_per_token=round(loop_system * 1e3 / tokens, 4),
                   gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
                   loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model())
 
 
-def loop_cpu(pid: int) -> float:
-    """CPU seconds so far of the process's main thread (the gateway's event loop)."""
+def loop_cpu(pid: int, system_only: bool = False) -> float:
+    """CPU seconds so far of the process's main thread (the gateway's event loop): user and
+    system time, or the system time alone."""
     fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    user, system = int(fields[11]), int(fields[12])
+    return (system if system_only else user + system) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -151,11 +157,14 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per chunk after the first)")
+    parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                        help="the gateway's --event-loop")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
     parser.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC's core, ...)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    os.environ["TANDEM_STREAM_INTERVAL"] = str(args.stream_interval)  # the gateway child reads it
+    os.environ["TANDEM_STREAM_INTERVAL"] = str(args.stream_interval)  # the gateway child reads them
+    os.environ["TANDEM_EVENT_LOOP"] = args.event_loop
     with tempfile.TemporaryDirectory(prefix="tandem-gw-") as tmp:
         cluster = SimCluster.start(Path(tmp), [SimSpec(count=args.workers, step_ms=args.step_ms, kv_blocks=4096)])
         try:

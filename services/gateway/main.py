@@ -26,7 +26,7 @@ from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.model_store import default_model_dir
 from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, add_server_arguments, server_certificate
 from services.common.tracing import setup_tracing
-from services.gateway import http_app, limits
+from services.gateway import event_loop, http_app, limits
 from services.gateway.generation import GenerationPipeline
 from services.gateway.upstream import Upstream
 from services.gateway.health import follow_scheduler_health
@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--stream-interval", type=parse_count, default=1,
                help="tokens per streamed chunk after the first, which goes at once (as vLLM's "
                     "--stream-interval): fewer chunks and less gateway CPU per token, coarser streaming")
+    add_option(parser, "--event-loop", default="auto", choices=event_loop.EVENT_LOOPS,
+               help="the event loop: uvloop's (auto: when installed) or asyncio's")
     http_app.add_arguments(parser)
     limits.add_arguments(parser)
 
@@ -105,7 +107,10 @@ def main(args: argparse.Namespace) -> int:
               "or pass --model DIR", file=sys.stderr)
         return 1
     try:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config), args.event_loop)
+    except event_loop.EventLoopError as exc:
+        print(f"tandem gateway: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ModelLoadError) as exc:
         print(f"tandem gateway: {exc}", file=sys.stderr)
         return 1
@@ -132,10 +137,11 @@ async def serve(config: GatewayConfig) -> None:
     await server.start()
     http = http_app.create_http_app(pipeline, config.http, metrics.registry)
     http_server = await start_http(http, config.host, config.http_port, tls=config.tls)
-    log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s)", ", ".join(models.names()),
-             config.host,
+    log.info("serving %s on %s:%d, HTTP%s on port %d (scheduler %s, auth %s, TLS %s, event loop %s)",
+             ", ".join(models.names()), config.host,
              server.port, "S" if config.tls else "", http_server.port, ",".join(config.scheduler),
-             "on" if config.api_keys else "off", "on" if config.tls else "off")
+             "on" if config.api_keys else "off", "on" if config.tls else "off",
+             event_loop.loop_name(asyncio.get_running_loop()))
     gc.freeze()  # what startup built (the tokenizer, the models' tables) stays out of every later collection
     follower = asyncio.create_task(follow_scheduler_health(channels, server, http, model=model.name,
                                                            internal_token=config.internal_token))

@@ -1,0 +1,40 @@
+"""The gateway's event loop: uvloop's when installed (auto) or asked, asyncio's when asked or when
+uvloop is missing under auto; asking for uvloop without it, or for a loop that does not exist, fails
+with what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from services.gateway import event_loop
+
+
+async def _loop_name() -> str:
+    return event_loop.loop_name(asyncio.get_running_loop())
+
+
+def test_auto_and_uvloop_run_on_uvloop() -> None:
+    pytest.importorskip("uvloop")
+    assert event_loop.run(_loop_name(), "auto") == "uvloop"
+    assert event_loop.run(_loop_name(), "uvloop") == "uvloop"
+
+
+def test_asyncio_runs_on_asyncios_loop() -> None:
+    assert event_loop.loop_factory("asyncio") is None
+    assert event_loop.run(_loop_name(), "asyncio") == "asyncio"
+
+
+def test_without_uvloop_auto_falls_back_and_uvloop_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
+    assert event_loop.loop_factory("auto") is None
+    assert event_loop.run(_loop_name(), "auto") == "asyncio"
+    with pytest.raises(event_loop.EventLoopError, match="pip install uvloop"):
+        event_loop.loop_factory("uvloop")
+
+
+def test_an_unknown_loop_is_refused() -> None:
+    with pytest.raises(event_loop.EventLoopError, match="expected one of auto, uvloop, asyncio"):
+        event_loop.loop_factory("trio")
