@@ -228,8 +228,10 @@ class Dispatcher:
     async def _place(self, state: RequestState) -> None:
         """Wait for the request's turn, then route and start it; back to the head of the queue while
         no decode worker has room for its KV. Returns when it runs, or when its stream has ended."""
-        self._check_fits(state)
-        state.ticket = self.admission.enter(state.request_id, lambda: self._ready(state))
+        just_asked = [self._check_fits(state)]  # admission's first readiness check, if it comes at once
+        state.ticket = self.admission.enter(
+            state.request_id, lambda: (just_asked.pop() if just_asked else self._room(state)) is not Room.LATER)
+        just_asked.clear()  # later checks (a grant, a requeue) ask again
         let_in_at_once = state.ticket.turn.done()  # nothing ran since the check: no need to check again
         if await self._wait_turn(state):
             await self._start_in_turn(state, fits_checked=let_in_at_once)
@@ -262,13 +264,16 @@ class Dispatcher:
         state.span.add_event(Event.ADMITTED)
         return turn.result() and not state.ending.closed
 
-    def _ready(self, state: RequestState) -> bool:
-        """The request's KV may fit now (or will never: routing then refuses it at once)."""
-        return room(self.registry, self.inflight, state.placement.request) is not Room.LATER
+    def _room(self, state: RequestState) -> Room:
+        """Whether the request's KV fits now (NEVER: routing then refuses it at once)."""
+        return room(self.registry, self.inflight, state.placement.request)
 
-    def _check_fits(self, state: RequestState) -> None:
-        if room(self.registry, self.inflight, state.placement.request) is Room.NEVER:
+    def _check_fits(self, state: RequestState) -> Room:
+        """The request's room(); raises InvalidRequest when it will never fit."""
+        fits = self._room(state)
+        if fits is Room.NEVER:
             raise never_fits(self.registry, state.placement.request)
+        return fits
 
     async def _start(self, state: RequestState, fits_checked: bool = False) -> bool:
         """Route the request, reserve its decode blocks, and start it on its workers. False when no

@@ -44,6 +44,7 @@ from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import STORE_RETRY_S, WorkerRegistry
 from services.scheduler.main import SchedulerConfig, batch_policy
+from services.scheduler.planner import room
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -482,6 +483,30 @@ async def test_a_request_without_decode_room_waits_in_the_queue_until_a_worker_r
         assert mesh.workers["d-0"].calls == []
         stats = await mesh.idle()
         assert (stats.completed, stats.rejected) == (1, 0)
+
+
+async def test_room_is_asked_once_for_a_request_let_in_at_once_and_again_after_a_wait(monkeypatch) -> None:
+    """A request let in at once is routed on the one room() its arrival asked (nothing ran between);
+    one that waited asks again when a report may let it in, and before it is routed."""
+    asked: list[str] = []
+
+    def counting_room(registry, inflight, request):
+        asked.append(request.request_id)
+        return room(registry, inflight, request)
+
+    monkeypatch.setattr(dispatcher_module, "room", counting_room)
+    options = {"d-0": dict(free_blocks=1)}
+    async with scheduler("p-0", "d-0", **options) as mesh:
+        await completes(mesh.submit("small", prompt_tokens=10))  # 11 tokens: 1 block
+        assert asked == ["small"]
+
+        call = mesh.submit("big", prompt_tokens=40)  # 41 tokens: 3 blocks, d-0 has 1 free
+        await eventually(lambda: mesh.dispatcher.admission.waiting == 1, 'mesh.dispatcher.admission.waiting == 1')
+        assert asked == ["small", "big"]  # once: it fits some day (not NEVER), not now (LATER), so it waits
+        mesh.workers["d-0"].free_blocks = 3
+        assert await mesh.workers["d-0"].heartbeat()
+        assert (await completes(call)).route.decode_worker_id == "d-0"
+        assert asked == ["small", "big", "big", "big"]  # let in by the report, then checked again before routing
 
 
 async def test_reserves_refused_on_a_stale_report_wait_for_the_next_report_in_order() -> None:
