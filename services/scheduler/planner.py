@@ -131,8 +131,12 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     prefill_candidates = _candidates(registry, loads, prefill, matched)
     decode_candidates = _candidates(registry, loads, decode, {})
     workers = {r.info.worker_id: r for r in records}
+    # One-model workers (no catalogue, no residency reports) serving the model all hold it: the usual case
+    one_model = not any(r.info.catalogue or r.load.models for r in records)
 
     def holders_first(scores: list[Score], room: Iterable[str]) -> list[Score]:
+        if one_model:  # every candidate holds the model: the router's order stands
+            return scores
         ranked = [s.worker_id for s in scores]
         order = prefer_holders(ranked, workers, request.model, room, registry.model_placement)
         if order == ranked:  # every candidate holds the model (one-model workers): the router's order stands
