@@ -209,9 +209,13 @@ class HeldListings(FlakyStore):
         return listed
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    while not condition():
+async def until(condition: Callable[[], bool], passes: int = 100) -> None:
+    """Let the event loop run until `condition` holds; fails after `passes` passes of the loop."""
+    for _ in range(passes):
+        if condition():
+            return
         await asyncio.sleep(0)
+    raise AssertionError(f"still false after {passes} passes of the event loop")
 
 
 async def test_callers_share_the_listing_under_way_and_one_cancelled_does_not_cancel_it() -> None:
