@@ -218,12 +218,18 @@ async def until(condition: Callable[[], bool], passes: int = 100) -> None:
     raise AssertionError(f"still false after {passes} passes of the event loop")
 
 
-async def test_callers_share_the_listing_under_way_and_one_cancelled_does_not_cancel_it() -> None:
+async def registry_with_held_listings() -> tuple[HeldListings, WorkerRegistry]:
+    """A registry of one worker, p-0, whose listings (reused for an hour) the test releases by hand from now."""
     clock = FakeClock()
     store = HeldListings(clock)
     registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)
     await registry.register(info("p-0"), WorkerLoad())
     store.hold = True
+    return store, registry
+
+
+async def test_callers_share_the_listing_under_way_and_one_cancelled_does_not_cancel_it() -> None:
+    store, registry = await registry_with_held_listings()
     callers = [asyncio.create_task(ids(registry)) for _ in range(5)]
     await until(lambda: len(store.held) == 1)
     callers[0].cancel()
@@ -233,11 +239,7 @@ async def test_callers_share_the_listing_under_way_and_one_cancelled_does_not_ca
 
 
 async def test_a_listing_that_predates_a_change_made_here_is_not_reused() -> None:
-    clock = FakeClock()
-    store = HeldListings(clock)
-    registry = WorkerRegistry(store, TTL, clock, listing_reuse_s=3600.0)
-    await registry.register(info("p-0"), WorkerLoad())
-    store.hold = True
+    store, registry = await registry_with_held_listings()
     before = asyncio.create_task(ids(registry))
     await until(lambda: len(store.held) == 1)
     await store.register_worker(info("p-1"), TTL, WorkerLoad())  # another scheduler's worker
