@@ -25,8 +25,11 @@ class Registration:
 
     `on_reregistered` runs after the scheduler forgot the worker (TTL lapse or scheduler restart)
     and took it back: the scheduler has failed the worker's requests by then, so the worker drops
-    those no gateway reads and resends its whole prefix-cache contents. `on_policy` gets a batching policy a heartbeat
-    answer carries (the scheduler sets it from SLOs once the worker reports a cost model).
+    those no gateway reads and resends its whole prefix-cache contents. `on_forgotten` runs first, at once,
+    when a heartbeat finds the worker forgotten and before it registers again: what the worker holds
+    then is what the scheduler failed, and what arrives after may already be the fresh registration's
+    (the scheduler places on the worker as soon as it has taken it back). `on_policy` gets a batching
+    policy a heartbeat answer carries (the scheduler sets it from SLOs once the worker reports a cost model).
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class Registration:
         metadata: tuple[tuple[str, str], ...] = (),
         on_reregistered: Callable[[scheduler_pb2.RegisterWorkerResponse], Awaitable[None]] | None = None,
         on_policy: Callable[[scheduler_pb2.BatchPolicy], Awaitable[None]] | None = None,
+        on_forgotten: Callable[[], None] | None = None,
     ) -> None:
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         self.info = info
@@ -44,6 +48,7 @@ class Registration:
         self._metadata = metadata
         self._on_reregistered = on_reregistered
         self._on_policy = on_policy
+        self._on_forgotten = on_forgotten
         self._task: asyncio.Task | None = None
         self._rejoin: asyncio.Task | None = None  # on_reregistered, running beside the heartbeats
         self.interval_s = _DEFAULT_INTERVAL_S
@@ -120,7 +125,7 @@ class Registration:
             failing = False
 
     async def heartbeat(self) -> bool:
-        """One heartbeat; registers again when the scheduler forgot us, and starts on_reregistered."""
+        """One heartbeat; when the scheduler forgot us: on_forgotten, registers again, starts on_reregistered."""
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
         response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
@@ -129,6 +134,8 @@ class Registration:
                 await self._on_policy(response.policy)
             return True
         log.warning("the scheduler no longer knows %s; registering again", self.worker_id)
+        if self._on_forgotten is not None:
+            self._on_forgotten()
         response = await self._register_once()
         if self._on_reregistered is not None:
             self._rejoin = asyncio.create_task(self._rejoined(self._rejoin, self._on_reregistered, response),

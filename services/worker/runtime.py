@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -117,6 +117,7 @@ class WorkerRuntime:
         self._schedulers = list(schedulers)
         self._metadata = metadata
         self.registrations: list[Registration] = []  # once the primary model is loaded: see start
+        self._expired_ids: set[str] = set()  # held when a scheduler forgot this worker: see _on_forgotten
         self.block_size = 0  # tokens per KV block, of every model's pool: known once the primary loads
         self.step_cost = self._step_cost_fit(identity.role)
         self._steps_since_refit = 0
@@ -139,7 +140,8 @@ class WorkerRuntime:
             await self.models.load(name, pin=name in self.plan.pinned)
         self.block_size = self.info().block_size
         self.registrations = [Registration(channel, self.info(), self.load, self._metadata,
-                                           functools.partial(self._on_reregistered, reporter), self.apply_policy)
+                                           functools.partial(self._on_reregistered, reporter), self.apply_policy,
+                                           self._on_forgotten)
                               for channel, reporter in zip(self._schedulers, self.reporters, strict=True)]
         if not self.registrations:
             return
@@ -410,22 +412,32 @@ class WorkerRuntime:
         self.blocks.stream_lost()
         asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream"))
 
-    async def _abort_unread(self, reason: str) -> None:
+    async def _abort_unread(self, reason: str, among: Container[str] | None = None) -> None:
         """A scheduler failed this worker's requests (its token-report stream broke, or it forgot the
         worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
         (another one, or this one back, accounts for their end). With one scheduler the ones nobody
         reads yet are dropped; with several, this worker cannot tell which one placed them, so they
-        stay, and one whose gateway never attaches is given up after the attach window."""
+        stay, and one whose gateway never attaches is given up after the attach window. `among`: only
+        these of the requests held (default: all)."""
         if len(self.reporters) > 1:
             return
-        ids = [rid for rid in self._request_ids() if not self.streams.attached(rid)]
+        ids = [rid for rid in self._request_ids()
+               if (among is None or rid in among) and not self.streams.attached(rid)]
         if ids:
             log.warning("aborting %d request(s) no gateway reads: %s", len(ids), reason)
             await self.abort(ids)
 
+    def _on_forgotten(self) -> None:
+        """A heartbeat found this worker forgotten: the scheduler failed what it holds now. Only those
+        are dropped once it is taken back; the scheduler places new requests here from then on, and
+        their gateways attach only after their placement (a request dropped before that would wait
+        out its deadline: the scheduler, which placed it, is never told)."""
+        self._expired_ids.update(self._request_ids())
+
     async def _on_reregistered(self, reporter: TokenReporter, response: scheduler_pb2.RegisterWorkerResponse) -> None:
+        expired, self._expired_ids = self._expired_ids, set()
         await self.apply_policy(response.policy)
-        await self._abort_unread("the scheduler had expired this worker")
+        await self._abort_unread("the scheduler had expired this worker", among=expired)
         reporter.announce()
         await self.blocks.reset()
 

@@ -7,7 +7,9 @@ tokens produced while no stream was open wait for the next one.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,8 +20,10 @@ from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
+from services.worker.events import TrackedRequest
 from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
+from services.worker.runtime import ModelPlan, WorkerIdentity, WorkerRuntime
 from services.worker.transport import internal_metadata, open_channel
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.streams import TokenStreams
@@ -68,12 +72,17 @@ async def test_a_worker_rejoins_a_restarted_scheduler_and_reopens_its_token_stre
     metadata = internal_metadata(TOKEN)
     taken_back: list[str] = []
     lost: list[int] = []
+    membership: list[str] = []  # what the worker heard, in order
 
     async def on_reregistered(response: scheduler_pb2.RegisterWorkerResponse) -> None:
         taken_back.append(response.scheduler_id)
+        membership.append(f"taken back by {response.scheduler_id}")
+
+    def on_forgotten() -> None:  # before it registers again: its last answer is still the first scheduler's
+        membership.append(f"forgotten while registered with {registration.response.scheduler_id}")
 
     registration = Registration(channel, WORKER, lambda: scheduler_pb2.WorkerLoad(free_blocks=64), metadata,
-                                on_reregistered)
+                                on_reregistered, on_forgotten=on_forgotten)
     reporter = TokenReporter(channel, WORKER.worker_id, metadata, on_lost=lambda: lost.append(1))
     second = None
     try:
@@ -97,6 +106,7 @@ async def test_a_worker_rejoins_a_restarted_scheduler_and_reopens_its_token_stre
         await eventually(lambda: taken_back, "the worker registering again with the second scheduler")
         await eventually(lambda: second.dispatcher.streams.is_open("decode-w"), "the token stream at the second")
         assert taken_back == ["second"] and lost == [1]  # one break; the failed attempts after it fail nothing
+        assert membership == ["forgotten while registered with first", "taken back by second"]
         await eventually(lambda: any(b.events for b in batches), "the early tokens reaching the second scheduler")
         assert [list(b.events) for b in batches if b.events] == [[TOKEN_EVENT]]
         assert registration.response.scheduler_id == "second"
@@ -134,3 +144,26 @@ async def test_a_worker_whose_id_is_held_by_other_info_registers_once_that_regis
     finally:
         await channel.close()
         await scheduler.stop()
+
+
+async def test_taken_back_a_worker_drops_only_the_requests_it_held_when_forgotten_not_those_placed_since():
+    """The scheduler places requests on a worker as soon as it has taken it back, and their gateways
+    attach only after: the worker, taking up the fresh registration, must not drop those (the
+    scheduler that placed one is never told, and its request waits out its deadline)."""
+    runtime = WorkerRuntime(WorkerIdentity("colo-w", common_pb2.WORKER_ROLE_COLOCATED, "127.0.0.1:1", "m", "cpu"),
+                            ModelPlan({"m": 1}, 1), make_engine=None, schedulers=[])
+    runtime.track(TrackedRequest("failed-by-expiry", num_prompt_tokens=4, logprobs=False), awaited=True)
+    runtime.track(TrackedRequest("read-by-its-gateway", num_prompt_tokens=4, logprobs=False), awaited=True)
+    reader = runtime.streams.follow("read-by-its-gateway", 1)
+    next_event = asyncio.ensure_future(reader.__anext__())
+    await eventually(lambda: runtime.streams.attached("read-by-its-gateway"), "the gateway attaching")
+    runtime._on_forgotten()  # a heartbeat found the worker forgotten
+    runtime.track(TrackedRequest("placed-after-taking-back", num_prompt_tokens=4, logprobs=False), awaited=True)
+    try:
+        await runtime._on_reregistered(SimpleNamespace(announce=lambda: None), scheduler_pb2.RegisterWorkerResponse())
+        assert [runtime.was_aborted(rid) for rid in ("failed-by-expiry", "read-by-its-gateway",
+                                                     "placed-after-taking-back")] == [True, False, False]
+    finally:
+        next_event.cancel()  # the gateway leaves: that request is given up too
+        await asyncio.gather(next_event, return_exceptions=True)
+        await eventually(lambda: runtime.was_aborted("read-by-its-gateway"), "the request its reader left dropped")
