@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.control_plane import cpu_model, cpu_seconds, loadavg  # noqa: E402
+from services.gateway.event_loop import EVENT_LOOPS  # noqa: E402
 from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120.0
@@ -157,7 +158,7 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per chunk after the first)")
-    parser.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+    parser.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                         help="the gateway's --event-loop")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
     parser.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC's core, ...)")

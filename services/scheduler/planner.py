@@ -139,7 +139,7 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
             return scores
         ranked = [s.worker_id for s in scores]
         order = prefer_holders(ranked, workers, request.model, room, registry.model_placement)
-        if order == ranked:  # every candidate holds the model (one-model workers): the router's order stands
+        if order == ranked:  # the holders already lead: the router's order stands
             return scores
         by_id = {s.worker_id: s for s in scores}
         return [by_id[w] for w in order]

@@ -78,7 +78,8 @@ def rank_prefill(candidates: Iterable[Candidate], prompt_tokens: int, use_prefix
     for worker_id, block_size, _, running, queued, cached_blocks in candidates:
         matched = cached_blocks if use_prefix else 0
         cached = cached_tokens(matched, block_size, prompt_tokens) if matched else 0
-        scores.append(_new_score((worker_id, float(prompt_tokens - cached + queued), matched, queued, 0, running)))
+        scores.append(_new_score((worker_id, float(prefill_cost(prompt_tokens, cached, queued)), matched, queued, 0,
+                                  running)))
     scores.sort(key=_PREFILL_ORDER)
     return scores
 
