@@ -49,9 +49,14 @@ def cut(state: RequestState, worker: WorkerRecord, call: str) -> Unavailable:
 
 
 def from_event(state: RequestState, event: scheduler_pb2.TokenEvent) -> TandemError:
-    """A worker's FINISH_REASON_ERROR event (its RequestError's code and message)."""
+    """A worker's FINISH_REASON_ERROR event (its RequestError's code and message); UNAVAILABLE is a
+    request the worker dropped on its own (services/worker/runtime.py `abort`), which may be retried."""
     code = code_from_number(event.error.code)
-    return _failed(state, code, f"worker {event.worker_id} failed the request: {code.name}: {event.error.message}")
+    detail = f"worker {event.worker_id} failed the request: {code.name}: {event.error.message}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        _note(state, detail, code.name)
+        return Unavailable(f"request {state.request_id}: the worker serving it dropped it; retry the request")
+    return _failed(state, code, detail)
 
 
 def lost(state: RequestState, worker_id: str, reason: str) -> Unavailable:

@@ -5,13 +5,16 @@ logprobs were asked, arrival and first-token times) and turns each step's output
 TokenBatch: offsets, tokens, logprobs, and on the last event the finish reason and usage. Every
 event goes to its request's token stream (the gateway's); the scheduler gets only what its
 accounting needs: each request's first event on this worker (it started: the routing load, a
-decode reservation in use) and its final one (completion), never the tokens in between.
+decode reservation in use) and its final one (completion, or the worker dropping it on its own:
+FINISH_REASON_ERROR with the status its Submit call ends with), never the tokens in between.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import grpc
 
 from services.common.wire import FINISH_REASON_TO_PROTO, logprob_to_proto, usage_to_proto
 from services.runtime.engine import RequestOutput
@@ -92,6 +95,17 @@ class TokenBatcher:
     def forget(self, request_id: str) -> TrackedRequest | None:
         self._unstarted.discard(request_id)
         return self.requests.pop(request_id, None)
+
+    def dropped(self, request_ids: list[str], why: str) -> scheduler_pb2.TokenBatch | None:
+        """The final events of the tracked ones of `request_ids`, which the worker drops on its own
+        for the reason `why` (FINISH_REASON_ERROR, UNAVAILABLE: the request may be retried), forgotten
+        now; None when it tracks none."""
+        events = [scheduler_pb2.TokenEvent(
+            request_id=rid, worker_id=self.worker_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error=common_pb2.RequestError(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                          message=f"worker {self.worker_id} dropped request {rid}: {why}"))
+            for rid in request_ids if self.forget(rid) is not None]
+        return scheduler_pb2.TokenBatch(events=events) if events else None
 
     def batch(self, step: StepResult) -> StepEvents:
         """The step's events, for the streams and for the scheduler; final ones are forgotten."""

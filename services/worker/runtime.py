@@ -279,31 +279,47 @@ class WorkerRuntime:
     async def until_aborted(self, request_id: str) -> None:
         await self._waiters.until_aborted(request_id)
 
-    async def abort(self, request_ids: Iterable[str]) -> list[str]:
+    async def abort(self, request_ids: Iterable[str], dropped: str | None = None) -> list[str]:
         """Drops the requests wherever they are (handler, reservation, engine, export), freeing their
-        blocks at once and ending their spans; returns the ones this worker held."""
+        blocks at once and ending their spans; returns the ones this worker held. `dropped`: the
+        worker drops them on its own, for this reason (None: whoever placed them asked), so the
+        scheduler must hear it: see `_report_dropped`."""
         ids = list(dict.fromkeys(request_ids))
         if not ids:
             return []
-        waited = self._drop_handlers(ids)
+        if dropped is not None:
+            self._report_dropped(ids, dropped)
+        waited = self._drop_handlers(ids, dropped or "aborted")
         served = list(self.models.models().values())
         for model in served:
             for request_id in ids:
                 model.handoff.cancel(request_id)  # here, on the loop that imports: no chunk lands after it
         held = await asyncio.gather(*(model.loop.call(functools.partial(_drop_all, model.handoff, ids))
                                       for model in served))
-        dropped = [rid for rids in held for rid in rids]
+        dropped_ids = [rid for rids in held for rid in rids]
         # A handler that tracked its request after _drop_handlers, and got it into the engine before
         # _drop_all, waits for an output that will never come: it hears of the abort now.
-        self._drop_handlers([rid for rid in dropped if rid not in waited and self.is_awaited(rid)])
-        return list(dict.fromkeys([*waited, *dropped]))
+        self._drop_handlers([rid for rid in dropped_ids if rid not in waited and self.is_awaited(rid)],
+                            dropped or "aborted")
+        return list(dict.fromkeys([*waited, *dropped_ids]))
 
-    def _drop_handlers(self, request_ids: list[str]) -> list[str]:
+    def _report_dropped(self, request_ids: list[str], why: str) -> None:
+        """The scheduler waits for each request it placed here until its final event: a request the
+        worker drops on its own gets one now (FINISH_REASON_ERROR, UNAVAILABLE), which ends its Submit
+        call, so the gateway's client hears at once instead of at its deadline. All but those a
+        handler awaits (its call answers for them) and those whose final event went out already;
+        also those the engine finished meanwhile, whose final event would no longer be reported."""
+        unanswered = [rid for rid in request_ids if not self.is_awaited(rid)]
+        batch = self.batcher.dropped(unanswered, why)
+        if batch is not None:
+            self._report(batch)
+
+    def _drop_handlers(self, request_ids: list[str], reason: str) -> list[str]:
         """Ends what the requests' handlers await, their streams and spans; returns those awaited."""
         waited = [r for r in request_ids if self._waiters.abort(r)]
         for request_id in request_ids:
             self.batcher.forget(request_id)
-            self.streams.drop(request_id, "aborted")
+            self.streams.drop(request_id, reason)
             self.spans.end(request_id, "abort")
         return waited
 
@@ -406,7 +422,8 @@ class WorkerRuntime:
     def _abandoned(self, request_id: str) -> None:
         """Nobody reads the request's tokens (its gateway never attached, or left): drop it."""
         log.info("request %s: no gateway reads its tokens; aborting it", request_id)
-        asyncio.ensure_future(self.abort([request_id]))
+        asyncio.ensure_future(self.abort([request_id], dropped="no gateway reads its tokens (its reader left, "
+                                                              "or never attached)"))
 
     def _on_lost(self) -> None:
         self.blocks.stream_lost()
@@ -416,7 +433,8 @@ class WorkerRuntime:
         """A scheduler failed this worker's requests (its token-report stream broke, or it forgot the
         worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
         (another one, or this one back, accounts for their end). With one scheduler the ones nobody
-        reads yet are dropped; with several, this worker cannot tell which one placed them, so they
+        reads yet are dropped, each reported (a scheduler that had not failed it, as one that still held
+        another stream of this worker, hears it end); with several, this worker cannot tell which one placed them, so they
         stay, and one whose gateway never attaches is given up after the attach window. `among`: only
         these of the requests held (default: all)."""
         if len(self.reporters) > 1:
@@ -425,7 +443,7 @@ class WorkerRuntime:
                if (among is None or rid in among) and not self.streams.attached(rid)]
         if ids:
             log.warning("aborting %d request(s) no gateway reads: %s", len(ids), reason)
-            await self.abort(ids)
+            await self.abort(ids, dropped=reason)
 
     def _on_forgotten(self) -> None:
         """A heartbeat found this worker forgotten: the scheduler failed what it holds now. Only those

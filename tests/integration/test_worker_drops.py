@@ -1,0 +1,117 @@
+"""A worker that drops a request on its own tells the scheduler, so the request ends at once with a
+status instead of waiting out its deadline. Real processes on loopback: a scheduler and a colocated
+sim worker (`tandem sim-worker`, slow steps, so a long request is still running when the fault
+comes); the test plays the gateway (the scheduler's Submit call, the worker's Follow call) and
+injects the fault as a gateway's broken connection would: its Follow call to the worker ends while
+the Submit call stays open. The Submit deadline is far beyond the wait for the answer: a request
+that ends by its deadline ends DEADLINE_EXCEEDED, which the tests refuse."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
+
+SUBMIT_DEADLINE_S = 120  # far beyond any answer the tests wait for: reaching it is the defect
+PROMPT = list(range(300, 340))
+LONG = 4000  # tokens: 80 s at the sim worker's 20 ms a step, longer than the waits below
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[SimCluster]:
+    spec = SimSpec(role="colocated", step_ms=20.0, kv_blocks=1024)
+    started = SimCluster.start(tmp_path_factory.mktemp("drops"), [spec], model=default_model_dir)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def submit(cluster: SimCluster, request_id: str, max_tokens: int):
+    """The scheduler's Submit call for a greedy request, as a gateway opens it."""
+    channel = grpc.insecure_channel(cluster.scheduler)
+    request = scheduler_pb2.SubmitRequest(request_id=request_id, token_ids=PROMPT,
+                                          sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                             ignore_eos=True))
+    call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(request, metadata=cluster.metadata,
+                                                                   timeout=SUBMIT_DEADLINE_S)
+    return channel, call
+
+
+class Follower:
+    """A gateway's Follow call to one worker: attach requests, read its batches, cancel it."""
+
+    def __init__(self, cluster: SimCluster, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._controls: queue.Queue[worker_pb2.FollowControl | None] = queue.Queue()
+        self.call = worker_pb2_grpc.TokenStreamServiceStub(self._channel).Follow(
+            iter(self._controls.get, None), metadata=cluster.metadata, timeout=SUBMIT_DEADLINE_S)
+
+    def attach(self, request_id: str) -> None:
+        self._controls.put(worker_pb2.FollowControl(attach=worker_pb2.StreamRequest(request_id=request_id)))
+
+    def tokens_until(self, request_id: str, count: int) -> list[int]:
+        """The request's tokens from the call's batches, once at least `count` came."""
+        tokens: list[int] = []
+        while len(tokens) < count:
+            batch = next(self.call)
+            tokens += [t for e in batch.events if e.request_id == request_id for t in e.token_ids]
+        return tokens
+
+    def close(self) -> None:
+        self._controls.put(None)
+        self.call.cancel()
+        self._channel.close()
+
+
+def placement_of(call) -> scheduler_pb2.Placement:
+    event = next(call)
+    assert event.HasField("placement"), event
+    return event.placement
+
+
+def end_of(call) -> grpc.RpcError | None:
+    """How the Submit call ended: None when OK (every event read), else its error."""
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as error:
+        return error
+    return None
+
+
+def test_a_request_whose_token_reader_leaves_the_worker_ends_unavailable_not_at_its_deadline(cluster):
+    channel, call = submit(cluster, "reader-gone", LONG)
+    try:
+        placement = placement_of(call)
+        follower = Follower(cluster, placement.generator_address)
+        follower.attach(placement.attempt_id)
+        assert follower.tokens_until(placement.attempt_id, 3)[:3] == sim_tokens(PROMPT, 3)
+        follower.close()  # the worker aborts the request: nobody reads its tokens any more
+
+        error = end_of(call)
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "reader-gone" in error.details()
+    finally:
+        call.cancel()
+        channel.close()
+
+
+def test_after_a_dropped_request_the_worker_serves_the_next_one_to_its_end(cluster):
+    channel, call = submit(cluster, "after-drop", 5)
+    try:
+        placement = placement_of(call)
+        follower = Follower(cluster, placement.generator_address)
+        follower.attach(placement.attempt_id)
+        assert follower.tokens_until(placement.attempt_id, 5) == sim_tokens(PROMPT, 5)
+        assert end_of(call) is None
+        follower.close()
+    finally:
+        channel.close()
