@@ -8,8 +8,11 @@ Submit call stays open beside them and has the last word on the attempt: it ends
 (the request failed: the relay fails with it), or says AttemptLost (the worker generating it was
 lost: the relay is interrupted and the gateway submits the continuation), or ends OK (the request
 finished: its final event is on the worker's stream). A worker stream that breaks or that the
-worker drops therefore ends quietly: the Submit call says why. A worker's error event is left to
-the scheduler too, which reports it as the call's status.
+worker drops therefore ends quietly: the Submit call says why (a worker reports the requests it
+drops to the scheduler as their final event). A worker's error event is left to the scheduler
+too, which reports it as the call's status. A generator's stream that ends without its final
+event once the Submit call ended OK fails the request with UNAVAILABLE: the scheduler counted it
+ended, but its last tokens were lost on the way (or it was aborted), and nothing else would end it.
 
 The Submit call and the workers' streams are separate calls, so the scheduler's status may reach
 the gateway before tokens a worker streamed ahead of the request's end. The status is therefore
@@ -61,6 +64,7 @@ class Attempt:
         self._watcher: asyncio.Task | None = None
         self._current = True
         self._scheduler_gone = False  # the Submit call broke with UNAVAILABLE after placement
+        self._submit_ended = False  # the Submit call ended OK: the request ended (finished or aborted)
         self._generator_cut: Unavailable | None = None  # the generator's stream ended before its final event
         self._generator_started = False  # the generator's stream gave an event
         self._generator_heard = asyncio.Event()  # it gave an event or ended
@@ -122,9 +126,8 @@ class Attempt:
         self._generator_heard.set()
         if not reader.finished and self._current:
             self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from "
-                                              f"{reader.address} ended before the request did, after its "
-                                              f"scheduler was lost; retry the request")
-            if self._scheduler_gone:
+                                              f"{reader.address} ended before the request did; retry the request")
+            if self._scheduler_gone or self._submit_ended:
                 self._fail(self._generator_cut)
 
     async def _watch(self) -> None:
@@ -135,6 +138,9 @@ class Attempt:
                     self._relay.interrupt(Unavailable(
                         f"request {self._relay.request_id}: worker {event.lost.worker_id} was lost "
                         f"({event.lost.reason}); retry the request"))
+            self._submit_ended = True  # the final event is on its way, unless the stream ended without it
+            if self._generator_cut is not None and self._current:
+                self._fail(self._generator_cut)
         except grpc.aio.AioRpcError as error:
             if not self._current or error.code() == grpc.StatusCode.CANCELLED:
                 return

@@ -151,6 +151,36 @@ async def test_a_break_followed_by_a_stream_cut_short_fails_after_the_tokens_str
     attempt.close()
 
 
+@pytest.mark.parametrize("order", ["submit first", "stream first"])
+async def test_a_submit_ended_ok_with_the_generators_stream_cut_short_fails_unavailable_not_at_the_deadline(
+        order) -> None:
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    dropped = status(grpc.StatusCode.UNAVAILABLE, "request r was dropped by this worker: aborted")
+    if order == "submit first":
+        submit.give(grpc.aio.EOF)  # the scheduler counted the request ended (its final report, or an abort)
+        await asyncio.sleep(0)
+        stream.give(token(0), token(1), dropped)
+    else:
+        stream.give(token(0), token(1), dropped)
+        submit.give(grpc.aio.EOF)
+    tokens, error = await read_all(relay)
+    assert tokens == [100, 101]
+    assert isinstance(error, Unavailable) and error.message == (
+        f"request r: the token stream from {GENERATOR} ended before the request did; retry the request")
+    attempt.close()
+
+
+async def test_a_submit_ended_ok_lets_a_final_event_that_comes_after_it_end_the_request() -> None:
+    relay = Relay("r")
+    submit, stream, attempt = started(relay)
+    submit.give(grpc.aio.EOF)
+    await asyncio.sleep(0)
+    stream.give(token(0), token(1, common_pb2.FINISH_REASON_LENGTH), grpc.aio.EOF)
+    assert await read_all(relay) == ([100, 101], None)
+    attempt.close()
+
+
 @pytest.mark.parametrize("stream_end", [grpc.aio.EOF, None])
 async def test_a_break_while_the_generator_never_started_fails_unavailable(monkeypatch, stream_end) -> None:
     monkeypatch.setattr("services.gateway.attempt.STREAMS_GRACE_S", 0.05)
