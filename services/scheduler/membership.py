@@ -6,13 +6,16 @@ still waiting on it; every attempt it held ends through `end_attempt` (the dispa
 request on or fails it). A worker that deregistered drains: it is not routed to, and the requests
 it holds may finish until its token stream ends. Whatever may let a waiting request in (a worker
 joined, reported its load, or left with its requests) calls `on_room`.
+
+A worker's heartbeats come on its Heartbeats stream (answer_in_order), each as a Heartbeat call:
+the stream is transport only, liveness stays the registry's TTL renewed by each heartbeat read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.common.errors import TandemError
 from services.common.store import WorkerLoad, WorkerRole
@@ -21,6 +24,7 @@ from services.scheduler.inflight import InflightTable, Placement, RequestState, 
 from services.scheduler.launcher import Spawn
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.worker_clients import WorkerClients
+from tandem.v1 import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,17 @@ class Membership:
         if address is not None:
             await self._clients.forget(address)
         await self.registry.unregister(worker_id)
+
+
+async def answer_in_order(
+        heartbeats: AsyncIterator[scheduler_pb2.HeartbeatRequest],
+        answer: Callable[[scheduler_pb2.HeartbeatRequest], Awaitable[scheduler_pb2.HeartbeatResponse]],
+) -> AsyncIterator[scheduler_pb2.HeartbeatResponse]:
+    """A worker's Heartbeats stream: each heartbeat answered before the next is read, so answers go
+    back in the order the heartbeats came (the worker pairs them by order). Its end, broken or not,
+    changes nothing here: a worker whose heartbeats stop lapses by the TTL, as with Heartbeat calls."""
+    async for heartbeat in heartbeats:
+        yield await answer(heartbeat)
 
 
 def _runs_on(state: RequestState, worker_id: str) -> bool:

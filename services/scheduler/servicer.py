@@ -12,7 +12,7 @@ from services.common.wire import abort_ids
 from services.scheduler.convert import info_from_pb, load_from_pb
 from services.common.step_cost import StepCost
 from services.common.store import WorkerRole
-from services.scheduler import migration, submissions
+from services.scheduler import membership, migration, submissions
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.model_loads import ModelLoads
@@ -77,6 +77,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         policy.CopyFrom(self._policy)
         policy.step_target_ms, policy.min_prefill_tokens = numbers.step_target_ms, numbers.min_prefill_tokens
         return policy
+
+    def Heartbeats(self, request_iterator: AsyncIterator[scheduler_pb2.HeartbeatRequest],
+                   context) -> AsyncIterator[scheduler_pb2.HeartbeatResponse]:
+        return membership.answer_in_order(request_iterator, lambda request: self.Heartbeat(request, context))
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
         known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))

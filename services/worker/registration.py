@@ -1,5 +1,6 @@
-"""A worker's membership in the scheduler's registry: RegisterWorker, periodic Heartbeats with its
-load, registering again when the scheduler no longer knows it, and DeregisterWorker on shutdown.
+"""A worker's membership in the scheduler's registry: RegisterWorker, periodic heartbeats with its
+load (on one Heartbeats stream: heartbeat_stream.py), registering again when the scheduler no longer
+knows it, and DeregisterWorker on shutdown.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from services.worker.heartbeat_stream import HeartbeatStream
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class Registration:
         on_forgotten: Callable[[], None] | None = None,
     ) -> None:
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self._heartbeat_stream = HeartbeatStream(self._stub, metadata)
         self.info = info
         self._load = load
         self._metadata = metadata
@@ -98,6 +101,7 @@ class Registration:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        self._heartbeat_stream.close()
         if deregister:
             request = scheduler_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
             try:
@@ -128,7 +132,7 @@ class Registration:
         """One heartbeat; when the scheduler forgot us: on_forgotten, registers again, starts on_reregistered."""
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
-        response = await self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata)
+        response = await self._heartbeat_stream.exchange(request, timeout)
         if response.known:
             if response.HasField("policy") and self._on_policy is not None:
                 await self._on_policy(response.policy)

@@ -68,6 +68,11 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/tandem.v1.SchedulerService/Heartbeats',
+                request_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.DeregisterWorker = channel.unary_unary(
                 '/tandem.v1.SchedulerService/DeregisterWorker',
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.DeregisterWorkerRequest.SerializeToString,
@@ -152,6 +157,19 @@ class SchedulerServiceServicer:
 
     def Heartbeat(self, request, context):
         """Worker -> scheduler: renews the registration and reports current load.
+        Workers use Heartbeats; Heartbeat answers one with the same code.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeats(self, request_iterator, context):
+        """Worker -> scheduler: one long-lived stream per worker and scheduler
+        carrying its heartbeats, each answered on it, in order, as a Heartbeat
+        call would answer it (one message each way instead of a call). Liveness is
+        still the TTL, renewed by each heartbeat read: the stream's being open
+        proves nothing. The worker sends one heartbeat at a time, bounds each
+        answer's wait, and opens a new stream when one is late, broke or ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,6 +243,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -412,6 +435,33 @@ class SchedulerService:
             request,
             target,
             '/tandem.v1.SchedulerService/Heartbeat',
+            tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
+            tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.SchedulerService/Heartbeats',
             tandem_dot_v1_dot_scheduler__pb2.HeartbeatRequest.SerializeToString,
             tandem_dot_v1_dot_scheduler__pb2.HeartbeatResponse.FromString,
             options,
