@@ -105,7 +105,7 @@ class WorkerRuntime:
             plan.sizes, plan.budget, self._load_model, self._unload_model, ServedModel.active_requests)
         self.batcher = TokenBatcher(identity.worker_id)
         self.spans = RequestSpans()
-        self.streams = RequestStreams(self._abandoned)
+        self.streams = RequestStreams(self._abandoned, on_left=self._left)
         self._waiters = RequestWaiters()
         self.blocks = BlockReporter(schedulers[0] if schedulers and report_blocks else None, identity.worker_id,
                                     metadata)
@@ -306,11 +306,11 @@ class WorkerRuntime:
     def _report_dropped(self, request_ids: list[str], why: str) -> None:
         """The scheduler waits for each request it placed here until its final event: a request the
         worker drops on its own gets one now (FINISH_REASON_ERROR, UNAVAILABLE), which ends its Submit
-        call, so the gateway's client hears at once instead of at its deadline. All but those a
-        handler awaits (its call answers for them) and those whose final event went out already;
-        also those the engine finished meanwhile, whose final event would no longer be reported."""
-        unanswered = [rid for rid in request_ids if not self.is_awaited(rid)]
-        batch = self.batcher.dropped(unanswered, why)
+        call, so the gateway's client hears at once instead of at its deadline. Every one whose final
+        event has not gone out: also one the engine finished meanwhile (its final event would no longer
+        be reported), and one a handler awaits (a Prefill call answers an abort with FINISH_REASON_ABORT,
+        which the scheduler leaves to whoever aborted it)."""
+        batch = self.batcher.dropped(request_ids, why)
         if batch is not None:
             self._report(batch)
 
@@ -419,8 +419,15 @@ class WorkerRuntime:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
         self.failed.set()
 
+    def _left(self, request_id: str) -> None:
+        """The gateway gave the request up (its client went, its deadline passed, it moved): drop it.
+        The gateway ends its Submit call too, so the scheduler counts the request as it ended there."""
+        log.info("request %s: its gateway left it; aborting it", request_id)
+        asyncio.ensure_future(self.abort([request_id]))
+
     def _abandoned(self, request_id: str) -> None:
-        """Nobody reads the request's tokens (its gateway never attached, or left): drop it."""
+        """Nobody reads the request's tokens (its gateway never attached, or its Follow call ended): drop
+        it, and tell the scheduler (nobody else would)."""
         log.info("request %s: no gateway reads its tokens; aborting it", request_id)
         asyncio.ensure_future(self.abort([request_id], dropped="no gateway reads its tokens (its reader left, "
                                                               "or never attached)"))
@@ -434,9 +441,9 @@ class WorkerRuntime:
         worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
         (another one, or this one back, accounts for their end). With one scheduler the ones nobody
         reads yet are dropped, each reported (a scheduler that had not failed it, as one that still held
-        another stream of this worker, hears it end); with several, this worker cannot tell which one placed them, so they
-        stay, and one whose gateway never attaches is given up after the attach window. `among`: only
-        these of the requests held (default: all)."""
+        another stream of this worker, hears it end); with several, this worker cannot tell which one
+        placed them, so they stay, and one whose gateway never attaches is given up after the attach
+        window. `among`: only these of the requests held (default: all)."""
         if len(self.reporters) > 1:
             return
         ids = [rid for rid in self._request_ids()

@@ -49,7 +49,8 @@ class WorkerServicerBase:
     async def Follow(self, request_iterator: AsyncIterator[worker_pb2.FollowControl],
                      context) -> AsyncIterator[worker_pb2.FollowBatch]:
         """TokenStreamService.Follow: the events of the requests a gateway attaches, batched."""
-        async for batch in follow_many(request_iterator, self.runtime.streams.follow):
+        streams = self.runtime.streams
+        async for batch in follow_many(request_iterator, streams.follow, streams.leave):
             yield batch
 
     async def LoadModel(self, request: worker_pb2.LoadModelRequest, context) -> worker_pb2.LoadModelResponse:

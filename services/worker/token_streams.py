@@ -5,7 +5,9 @@ A request's stream is opened by whichever comes first: the worker taking the req
 the gateway attaching (`follow`), which may come before the request reaches this worker (a
 prefill worker's Prefill call, a decode worker's KV, are still on their way). Events wait in the
 stream until they are read; a request opened here that nobody attaches to within `attach_s` is
-given up (`on_abandoned` aborts it), and so is one whose reader leaves before its last event. The
+given up (`on_abandoned` aborts it), and so is one whose reader goes before its last event: its
+call ended (`on_abandoned`), or it left the request (`on_left`: its gateway gave the request up, and
+tells the scheduler itself). The
 last event is the final one, or output token 0 on a worker that hands the request on after it
 (a prefill worker). Events already waiting when the reader takes one go out joined in one message
 (the tokens of consecutive steps, when the reader fell behind); a reader asking for several tokens
@@ -35,6 +37,7 @@ class _Stream:
     hands_on: bool = False  # the last event is output token 0
     opened: bool = False  # the worker took the request
     attached: bool = False
+    left: bool = False  # its reader gave it up (a leave), rather than going with its call
     timer: asyncio.TimerHandle | None = None
 
 
@@ -42,9 +45,12 @@ class RequestStreams:
     """Call order: open(request_id) as the worker takes a request -> push(event)* -> drop() on an
     abort; follow(request_id) once, from a Follow call's attach, in any order with open()."""
 
-    def __init__(self, on_abandoned: Callable[[str], None], attach_s: float = ATTACH_S) -> None:
+    def __init__(self, on_abandoned: Callable[[str], None], attach_s: float = ATTACH_S,
+                 on_left: Callable[[str], None] | None = None) -> None:
+        """`on_left`: for a request its reader left (default: `on_abandoned`)."""
         self._streams: dict[str, _Stream] = {}
         self._on_abandoned = on_abandoned
+        self._on_left = on_left or on_abandoned
         self._attach_s = attach_s
 
     def __contains__(self, request_id: str) -> bool:
@@ -79,6 +85,12 @@ class RequestStreams:
         if not stream.attached and stream.timer is None:
             stream.timer = asyncio.get_running_loop().call_later(self._attach_s, self._unattended, request_id, stream)
 
+    def leave(self, request_id: str) -> None:
+        """The reader gives the request up (call before ending its `follow`): `on_left`, not `on_abandoned`."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.attached:
+            stream.left = True
+
     async def follow(self, request_id: str, min_tokens: int = 1) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """The request's events up to its last one; raises Unavailable. After the first token, a
         message waits for `min_tokens` tokens (or the last event). Leaving early (the call was
@@ -111,7 +123,7 @@ class RequestStreams:
         finally:
             self._forget(request_id, stream)
             if not last:  # also before the worker opened it: a decode reservation still waiting for its KV
-                self._on_abandoned(request_id)
+                (self._on_left if stream.left else self._on_abandoned)(request_id)
 
     def _unattended(self, request_id: str, stream: _Stream) -> None:
         if self._streams.get(request_id) is stream and not stream.attached:
@@ -129,13 +141,13 @@ class RequestStreams:
 Follow = Callable[[str, int], AsyncIterator[scheduler_pb2.TokenEvent]]  # RequestStreams.follow's shape
 
 
-async def follow_many(controls: AsyncIterator[worker_pb2.FollowControl],
-                      follow: Follow) -> AsyncIterator[worker_pb2.FollowBatch]:
+async def follow_many(controls: AsyncIterator[worker_pb2.FollowControl], follow: Follow,
+                      leave: Callable[[str], None] | None = None) -> AsyncIterator[worker_pb2.FollowBatch]:
     """TokenStreamService.Follow: `follow(request_id, min_tokens)` for each attached request until
-    its stream ends or it is left; batches of every event ready, and of the streams' ends. Ends
-    when the controls are done and no stream is left; leaving early (the call ended) gives up every
-    stream still followed."""
-    batches = _Batches(follow)
+    its stream ends or it is left (`leave(request_id)` first: RequestStreams.leave); batches of every
+    event ready, and of the streams' ends. Ends when the controls are done and no stream is left;
+    leaving early (the call ended) gives up every stream still followed."""
+    batches = _Batches(follow, leave)
     reader = asyncio.ensure_future(batches.read(controls))
     try:
         while True:
@@ -158,8 +170,9 @@ class _Batches:
     but an event with prompt logprobs (which may be megabytes) goes alone, so that joining it to
     others never makes a message bigger than one request's."""
 
-    def __init__(self, follow: Follow) -> None:
+    def __init__(self, follow: Follow, leave: Callable[[str], None] | None = None) -> None:
         self._follow = follow
+        self._leave = leave
         self.pumps: dict[str, asyncio.Task[None]] = {}
         self.ready = asyncio.Event()
         self._full: list[worker_pb2.FollowBatch] = []
@@ -195,6 +208,8 @@ class _Batches:
                 if control.HasField("attach"):
                     self._attach(control.attach)
                 elif (pump := self.pumps.pop(control.leave, None)) is not None:
+                    if self._leave is not None:
+                        self._leave(control.leave)
                     pump.cancel()
         finally:
             self.ready.set()

@@ -18,6 +18,7 @@ import pytest
 
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
+from tests.waiting import wait_until
 
 SUBMIT_DEADLINE_S = 120  # far beyond any answer the tests wait for: reaching it is the defect
 PROMPT = list(range(300, 340))
@@ -115,3 +116,36 @@ def test_after_a_dropped_request_the_worker_serves_the_next_one_to_its_end(clust
         follower.close()
     finally:
         channel.close()
+
+
+def test_a_request_whose_prefill_workers_reader_leaves_mid_prefill_ends_unavailable_not_at_its_deadline(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    # A 40-token prompt at 4 tokens/s: its prefill takes 10 s, time enough to leave in the middle.
+    specs = [SimSpec(role="prefill", step_ms=2.0, prefill_tokens_per_s=4.0), SimSpec(role="decode", step_ms=2.0)]
+    disaggregated = SimCluster.start(tmp_path, specs, model=default_model_dir)
+    channel, call = submit(disaggregated, "prefill-reader-gone", 5)
+    try:
+        placement = placement_of(call)
+        assert placement.prefill_address and placement.prefill_address != placement.generator_address
+        decode = Follower(disaggregated, placement.generator_address)
+        decode.attach(placement.attempt_id)
+        prefill = Follower(disaggregated, placement.prefill_address)
+        prefill.attach(placement.attempt_id)
+        wait_until(lambda: prefilling(disaggregated, placement.prefill_address), "the prefill worker holding it")
+        prefill.close()  # the prefill worker aborts the request mid-prefill: nobody reads its token 0
+
+        error = end_of(call)
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "prefill-reader-gone" in error.details()
+        decode.close()
+    finally:
+        call.cancel()
+        channel.close()
+        disaggregated.stop()
+
+
+def prefilling(cluster: SimCluster, address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stats = worker_pb2_grpc.PrefillServiceStub(channel).Stats(worker_pb2.WorkerStatsRequest(), timeout=10,
+                                                                  metadata=cluster.metadata)
+    return stats.running + stats.waiting > 0

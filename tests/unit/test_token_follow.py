@@ -121,6 +121,24 @@ async def test_a_bad_attach_ends_with_invalid_argument_and_the_calls_end_gives_u
     await until(lambda: abandoned == ["a"])
 
 
+async def test_a_request_left_by_its_reader_is_given_up_as_left_one_whose_call_ended_as_abandoned() -> None:
+    abandoned: list[str] = []
+    left: list[str] = []
+    streams = RequestStreams(abandoned.append, on_left=left.append)
+    controls = Controls()
+    batches = aiter(follow_many(aiter(controls), streams.follow, streams.leave))
+    streams.open("a")
+    streams.open("b")
+    controls.send(attach("a"), attach("b"))
+    streams.push(event("a", 0, 10))
+    assert summary(await asyncio.wait_for(anext(batches), DEADLINE_S)) == ([("a", [10])], [])
+    controls.send(worker_pb2.FollowControl(leave="a"))  # the gateway gave it up: it ends its Submit call itself
+    await until(lambda: left == ["a"])
+    await batches.aclose()  # the call ended under b: nobody tells the scheduler unless the worker does
+    await until(lambda: abandoned == ["b"])
+    assert left == ["a"]
+
+
 class Worker(worker_pb2_grpc.TokenStreamServiceServicer):
     def __init__(self) -> None:
         self.abandoned: list[str] = []
