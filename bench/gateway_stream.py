@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.control_plane import cpu_model, cpu_seconds, loadavg  # noqa: E402
-from services.gateway.event_loop import EVENT_LOOPS  # noqa: E402
+from services.common.event_loop import EVENT_LOOPS  # noqa: E402
 from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120.0

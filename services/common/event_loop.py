@@ -1,7 +1,7 @@
-"""The gateway's event loop: uvloop's (libuv: its polling, transports and callbacks in C) when
-uvloop is installed, asyncio's otherwise or when asked (`--event-loop asyncio`). At one token per
-SSE event, the loop's own work for each event (waking the stream's task, the socket write, the
-poll) is a large part of the gateway's CPU per token; everything else runs the same on either.
+"""A service's event loop: uvloop's (libuv: its polling, transports and callbacks in C) when uvloop
+is installed, asyncio's otherwise or when asked (`--event-loop asyncio`). The gateway's CPU per SSE
+event and the scheduler's per message are in large part the loop's own work (waking a task, a
+socket read or write, the poll, a future's callbacks); everything else runs the same on either.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
 
 
 def run(main: Coroutine[Any, Any, T], choice: str) -> T:
-    """asyncio.run(main) on the loop `choice` gives."""
-    with asyncio.Runner(loop_factory=loop_factory(choice)) as runner:
+    """asyncio.run(main) on the loop `choice` gives; `main` is closed unstarted when there is none."""
+    try:
+        factory = loop_factory(choice)
+    except EventLoopError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -26,7 +26,8 @@ from services.common.lora_catalogue import LoraCatalogueError, lora_sources
 from services.common.model_store import default_model_dir
 from services.common.tls import MutualTLS, ServerCertificate, TLSConfigError, add_server_arguments, server_certificate
 from services.common.tracing import setup_tracing
-from services.gateway import event_loop, http_app, limits
+from services.common import event_loop
+from services.gateway import http_app, limits
 from services.gateway.generation import GenerationPipeline
 from services.gateway.upstream import Upstream
 from services.gateway.health import follow_scheduler_health
