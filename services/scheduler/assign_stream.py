@@ -1,8 +1,9 @@
 """The scheduler's Assign stream to one colocated (or hybrid decode) worker: many requests' admissions
 on one long-lived call (ColocatedService.Assign) instead of a unary call each.
 
-`run` numbers the request on the call (call_id), sends it, and waits for its RunResult within its
-timeout; it returns the result, or raises what a failed unary call would: an AioRpcError with the
+`send` numbers the request on the call (call_id), sends it, and returns the future of its RunResult
+within its timeout (`run` awaits it); the future holds the result, or fails with what a failed unary
+call would raise: an AioRpcError with the
 worker's status code, message and retry hint (trailing `retry-after`), DEADLINE_EXCEEDED when no
 answer came in time (that request alone fails; the call, which may be dead without knowing it,
 takes no more requests and ends once the others are answered), or the call's own status when it
@@ -25,18 +26,25 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
 class AssignStream:
-    """Call order: run()*, half_close() any time (the next run opens a new call), close() last."""
+    """Call order: send()* or run()*, half_close() any time (the next one opens a new call), close() last."""
 
     def __init__(self, stub: worker_pb2_grpc.ColocatedServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
         self._stub = stub
         self._metadata = metadata
         self._call: _AssignCall | None = None
 
-    async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
-        """The request admitted on the worker within `timeout` seconds; an AioRpcError otherwise."""
+    def send(self, request: worker_pb2.RunRequest, timeout: float) -> asyncio.Future[worker_pb2.RunResult]:
+        """The future of the request's admission on the worker within `timeout` seconds: its
+        RunResult, or an AioRpcError. Cancelling the future leaves the request unanswered here (the
+        worker may still queue it: abort it there). No task per request: a future the stream's
+        reader settles."""
         if self._call is None or not self._call.open:
             self._call = _AssignCall(self._stub, self._metadata)
-        return await self._call.run(request, timeout)
+        return self._call.send(request, timeout)
+
+    async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
+        """The request admitted on the worker within `timeout` seconds; an AioRpcError otherwise."""
+        return await self.send(request, timeout)
 
     def half_close(self) -> None:
         """No more requests on this call: the worker ends it once it answered those sent."""
@@ -61,21 +69,20 @@ class _AssignCall:
         self._call = stub.Assign(self._sent(), metadata=metadata)
         self._reader = asyncio.ensure_future(self._read())  # held here: the loop keeps tasks only weakly
 
-    async def run(self, request: worker_pb2.RunRequest, timeout: float) -> worker_pb2.RunResult:
+    def send(self, request: worker_pb2.RunRequest, timeout: float) -> asyncio.Future[worker_pb2.RunResult]:
         call_id = request.call_id = next(self._call_ids)
         request.timeout_ms = max(1, round(timeout * 1000))
         loop = asyncio.get_running_loop()
         answer = self._pending[call_id] = loop.create_future()
         timer = loop.call_later(timeout, self._expire, answer, timeout)  # lighter than wait_for's waiter
-        self._outgoing.put_nowait(request)
-        try:
-            result = await answer
-        finally:
+
+        def settled(_: asyncio.Future[worker_pb2.RunResult]) -> None:
             timer.cancel()
             self._pending.pop(call_id, None)
-        if result.status.code:
-            raise request_rpc_error(result.status, result.retry_after_s if result.HasField("retry_after_s") else None)
-        return result
+
+        answer.add_done_callback(settled)
+        self._outgoing.put_nowait(request)
+        return answer
 
     def half_close(self) -> None:
         if self.open:
@@ -104,7 +111,7 @@ class _AssignCall:
             async for result in self._call:
                 answer = self._pending.get(result.call_id)
                 if answer is not None and not answer.done():
-                    answer.set_result(result)
+                    _settle(answer, result)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the Assign stream")
         except grpc.aio.AioRpcError as failure:
             error = failure
@@ -115,3 +122,13 @@ class _AssignCall:
             if not answer.done():
                 answer.set_exception(error)
 
+
+
+def _settle(answer: asyncio.Future[worker_pb2.RunResult], result: worker_pb2.RunResult) -> None:
+    """The answer's outcome: the result when the worker queued the request, else its refusal as a
+    unary call's AioRpcError (status code, message, retry hint)."""
+    if result.status.code:
+        answer.set_exception(request_rpc_error(result.status, result.retry_after_s
+                                               if result.HasField("retry_after_s") else None))
+    else:
+        answer.set_result(result)

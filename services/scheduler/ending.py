@@ -50,8 +50,29 @@ class Ending:
 
     async def wait(self, remaining: Callable[[], float | None]) -> Lost | None:
         """None when the request finished, Lost when its worker was lost; raises the failure, or
-        DeadlineExceeded when `remaining()` (seconds left, None: no deadline) runs out first."""
+        DeadlineExceeded when `remaining()` (seconds left, None: no deadline) runs out first. The
+        waiter is cancelled alone, never the ending (as wait_for over shield, with one future and
+        one timer instead of their five futures and callbacks: this runs once per request)."""
+        if not self.closed:
+            await self._until_ended(remaining())
+        if not self.closed:
+            raise DeadlineExceeded(f"request {self.request_id}: its deadline passed while it ran")
+        return self._ended.result()
+
+    async def _until_ended(self, timeout: float | None) -> None:
+        """Returns when the request ended or `timeout` seconds passed, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_: object) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        self._ended.add_done_callback(wake)
+        timer = None if timeout is None else loop.call_later(max(0.0, timeout), wake, None)
         try:
-            return await asyncio.wait_for(asyncio.shield(self._ended), remaining())
-        except TimeoutError:
-            raise DeadlineExceeded(f"request {self.request_id}: its deadline passed while it ran") from None
+            await waiter
+        finally:
+            self._ended.remove_done_callback(wake)
+            if timer is not None:
+                timer.cancel()

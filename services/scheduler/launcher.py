@@ -132,7 +132,7 @@ class Launcher:
                                         cache_salt=placement.request.cache_salt, lora=placement.request.lora,
                                         model=placement.request.model, trace_context=trace_context(state.span))
         stream = self.clients.assign(worker.info.address)
-        await self._landing(state, worker, "Assign", lambda timeout: stream.run(request, timeout),
+        await self._landing(state, worker, "Assign", lambda timeout: stream.send(request, timeout),
                             self._bound(worker, placement.request.model))
 
     def release(self, state: RequestState) -> None:

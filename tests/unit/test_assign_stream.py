@@ -119,6 +119,26 @@ async def test_a_refusal_raises_the_status_and_retry_hint_a_call_would(worker) -
         stream.close()
 
 
+async def test_send_settles_a_plain_future_and_a_cancelled_one_leaves_the_call_open(worker) -> None:
+    """No task per request: send() hands back the future the stream's reader settles (the result, or
+    the refusal as a call's error); a caller that gives up on one leaves the call to the others."""
+    servicer, stub = worker
+    stream = AssignStream(stub, METADATA)
+    try:
+        queued = stream.send(worker_pb2.RunRequest(request_id="r-1", token_ids=[1]), 30.0)
+        assert not isinstance(queued, asyncio.Task)
+        assert (await queued).call_id == 1
+        full = await failure(stream.send(worker_pb2.RunRequest(request_id="full-2", token_ids=[1]), 30.0))
+        assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held = stream.send(worker_pb2.RunRequest(request_id="hold-3", token_ids=[1]), 30.0)
+        held.cancel()
+        servicer.release.set()
+        result = await stream.send(worker_pb2.RunRequest(request_id="r-4", token_ids=[1]), 30.0)
+        assert (result.request_id, result.call_id) == ("r-4", 4) and servicer.calls == 1
+    finally:
+        stream.close()
+
+
 async def test_a_request_unanswered_in_time_fails_alone_and_the_next_goes_on_a_fresh_call(worker) -> None:
     servicer, stub = worker
     stream = AssignStream(stub, METADATA)
