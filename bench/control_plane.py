@@ -16,6 +16,13 @@ worker's block events take into the store, Redis or embedded), then sends `--req
   - p99 added latency of routing: from the start of the scheduler's `scheduler.submit` span to the
     start of the worker's request span (the placement reached the worker), from the span files;
   - the client's p99 time to first token, for scale;
+  - routing's added latency with the cores left headroom: after the run, `--paced-requests` more arrive
+    as a Poisson process of `--paced-rate` a second (each on its own, not `--concurrency` at a time),
+    and from their spans: the scheduler's decision (its `scheduler.submit` span's start to its `routed`
+    event), the placement reaching the worker (to the start of the worker's request span), and the
+    hop before it (the gateway's span's start to the scheduler's), p50 and p99; with the CPU the
+    cluster and the bench used meanwhile ("cores busy", of the machine's), to show the headroom. The
+    run's "route p99" above is measured with the cores saturated: it is mostly queueing for them;
   - where the scheduler's CPU per request goes: its event loop's thread against gRPC's own threads
     (the poller and the event engine's), and the context switches of all its threads, per request.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
@@ -36,6 +43,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import signal
 import subprocess
 import sys
@@ -52,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from services.common.spans import Attr, SpanName, load_span_files  # noqa: E402
+from services.common.spans import Attr, Event, SpanName, load_span_files  # noqa: E402
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.redis_fixture import RedisServer  # noqa: E402
 from tests.sim_cluster import SimCluster, SimSpec  # noqa: E402
@@ -63,6 +71,7 @@ SHARED_PREFIX = 32  # tokens of the prompt a family of requests shares
 FAMILIES = 16
 REQUEST_TIMEOUT_S = 60.0
 IDLE_S = 3.0  # seconds the scheduler's fixed cost (heartbeats, its watcher) is measured for, before the run
+PACED_SEED = 12  # the paced requests' arrival gaps: the same in every run
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +119,18 @@ class Result:
     scheduler_loop_ms_per_request: float = float("nan")  # the event loop's thread (the main one)
     scheduler_grpc_threads_ms_per_request: float = float("nan")  # every other thread: gRPC's poller, event engine
     scheduler_switches_per_request: float = float("nan")
+    # the paced requests (Poisson arrivals at paced_rate a second; 0: none), routing's added latency from their spans
+    paced_rate: float = 0.0
+    paced_requests: int = 0
+    paced_failed: int = 0
+    paced_decide_p50_ms: float = float("nan")  # scheduler.submit start -> its routed event
+    paced_decide_p99_ms: float = float("nan")
+    paced_route_p50_ms: float = float("nan")  # scheduler.submit start -> the worker's request span start
+    paced_route_p99_ms: float = float("nan")
+    paced_hop_p99_ms: float = float("nan")  # the gateway's span start -> scheduler.submit start
+    paced_ttft_p50_ms: float = float("nan")
+    paced_ttft_p99_ms: float = float("nan")
+    paced_cores_busy: float = float("nan")  # CPU-s a second of the cluster and the bench over the paced phase
 
 
 def main() -> int:
@@ -152,6 +173,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sim-processes", type=int, default=2, help="processes the simulated workers share")
     parser.add_argument("--requests", type=int, default=600, help="requests per point")
     parser.add_argument("--concurrency", type=int, default=48, help="requests in flight at once")
+    parser.add_argument("--paced-requests", type=int, default=200,
+                        help="requests sent after the run at --paced-rate, for routing's added latency (0: none)")
+    parser.add_argument("--paced-rate", type=float, default=20.0,
+                        help="the paced requests' mean arrival rate a second (Poisson), low enough to leave the "
+                             "cores headroom")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S,
+                        help="seconds the scheduler's fixed cost is measured for before the run")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (the first 32 shared by a family)")
     parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--step-ms", type=float, default=10.0, help="a simulated iteration's time")
@@ -216,7 +244,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     pids.update({name: cluster.pid(name) for name in replicas})
     sims = [name for name in cluster.children if name.startswith("sim-")]
     pids.update({name: cluster.pid(name) for name in sims})
-    idle_rate = idle_cpu_rate([pids[name] for name in replicas])
+    idle_rate = idle_cpu_rate([pids[name] for name in replicas], args.idle_s)
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
     threads_before = [thread_use(pids[name]) for name in replicas]
     with profiling(args.profile, point, {name: pids[name] for name in replicas}):
@@ -226,6 +254,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     threads = [after - start for name, start in zip(replicas, threads_before) for after in [thread_use(pids[name])]]
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
+    paced = run_paced(cluster, pids, args)
     hits, routed = prefix_hits(cluster.run_dir, set(outcome.request_ids))
     routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
     tokens = max(outcome.tokens, 1)
@@ -255,14 +284,15 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         scheduler_loop_ms_per_request=round(sum(t.loop_s for t in threads) * 1e3 / max(ok, 1), 3),
         scheduler_grpc_threads_ms_per_request=round(sum(t.others_s for t in threads) * 1e3 / max(ok, 1), 3),
         scheduler_switches_per_request=round(sum(t.switches for t in threads) / max(ok, 1), 1),
+        **paced,
     )
 
 
-def idle_cpu_rate(pids: list[int]) -> float:
-    """CPU seconds per second that these processes (the scheduler replicas) spend over IDLE_S with no
+def idle_cpu_rate(pids: list[int], seconds: float) -> float:
+    """CPU seconds per second that these processes (the scheduler replicas) spend over `seconds` with no
     requests in flight: the heartbeats and the watcher, their fixed cost."""
     before, started = sum(cpu_seconds(pid) for pid in pids), time.monotonic()
-    time.sleep(IDLE_S)
+    time.sleep(seconds)
     return (sum(cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started)
 
 
@@ -284,6 +314,70 @@ def profiling(directory: Path | None, point: Point, pids: dict[str, int]) -> Ite
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         for spy in spies:
             spy.wait(timeout=60)
+
+
+def run_paced(cluster: SimCluster, pids: dict[str, int], args: argparse.Namespace) -> dict[str, float]:
+    """The paced phase: its requests, then routing's added latency from their spans (Result's paced_* fields)."""
+    if args.paced_requests <= 0 or args.paced_rate <= 0:
+        return {}
+    before, own_before, started = {n: cpu_seconds(p) for n, p in pids.items()}, _own_cpu_seconds(), time.monotonic()
+    outcome = asyncio.run(drive_paced(cluster.gateway, args.paced_requests, args.paced_rate, args))
+    wall = time.monotonic() - started
+    used = sum(cpu_seconds(p) - before[n] for n, p in pids.items()) + _own_cpu_seconds() - own_before
+    hops = paced_latencies_ms(cluster.run_dir, set(outcome.request_ids))
+    ms = lambda values, q: round(percentile(values, q), 2)  # noqa: E731
+    return {"paced_rate": args.paced_rate, "paced_requests": args.paced_requests,
+            "paced_failed": sum(outcome.failures.values()),
+            "paced_decide_p50_ms": ms(hops.decide, 0.5), "paced_decide_p99_ms": ms(hops.decide, 0.99),
+            "paced_route_p50_ms": ms(hops.route, 0.5), "paced_route_p99_ms": ms(hops.route, 0.99),
+            "paced_hop_p99_ms": ms(hops.hop, 0.99),
+            "paced_ttft_p50_ms": ms(outcome.ttfts_ms, 0.5), "paced_ttft_p99_ms": ms(outcome.ttfts_ms, 0.99),
+            "paced_cores_busy": round(used / wall, 2)}
+
+
+def _own_cpu_seconds() -> float:
+    """This bench process's CPU so far (it drives the load, on the same cores)."""
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclass(slots=True)
+class PacedHops:
+    """Per request, in ms: hop (the gateway's span start to scheduler.submit start), decide (to the
+    scheduler's routed event), route (to the start of the worker's request span)."""
+
+    hop: list[float] = field(default_factory=list)
+    decide: list[float] = field(default_factory=list)
+    route: list[float] = field(default_factory=list)
+
+
+def paced_latencies_ms(run_dir: Path, request_ids: set[str]) -> PacedHops:
+    """From the span files: every process's span starts, and the scheduler's finished spans' routed events.
+    A request routed more than once (moved after a worker was lost) counts its first decision."""
+    loaded = load_span_files(run_dir)
+    gateway: dict[str, int] = {}
+    submitted: dict[str, int] = {}
+    placed: dict[str, int] = {}
+    for span in loaded.started:
+        request_id = span.request_id
+        if request_id not in request_ids:
+            continue
+        if span.name == SpanName.SCHEDULER_SUBMIT:
+            submitted[request_id] = min(span.start_ns, submitted.get(request_id, span.start_ns))
+        elif span.name in WORKER_SPANS:
+            placed[request_id] = min(span.start_ns, placed.get(request_id, span.start_ns))
+        elif span.service == "gateway":
+            gateway[request_id] = min(span.start_ns, gateway.get(request_id, span.start_ns))
+    hops = PacedHops()
+    for span in loaded.spans:
+        if span.name != SpanName.SCHEDULER_SUBMIT or span.request_id not in request_ids:
+            continue
+        routed = [event.time_ns for event in span.events if event.name == Event.ROUTED]
+        if routed:
+            hops.decide.append((min(routed) - span.start_ns) / 1e6)
+    hops.route = [(placed[r] - submitted[r]) / 1e6 for r in submitted if r in placed]
+    hops.hop = [(submitted[r] - gateway[r]) / 1e6 for r in submitted if r in gateway]
+    return hops
 
 
 def prefix_hits(run_dir: Path, request_ids: set[str]) -> tuple[int, int]:
@@ -338,6 +432,23 @@ async def drive(gateway: str, tag: str, count: int, args: argparse.Namespace) ->
                 await one_request(stub, outcome, i, args)
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    return outcome
+
+
+async def drive_paced(gateway: str, count: int, rate: float, args: argparse.Namespace) -> Outcome:
+    """`count` requests arriving as a Poisson process of `rate` a second (the same gaps every run),
+    each sent at its arrival whatever is in flight."""
+    outcome = Outcome([f"cp-paced-{os.getpid()}-{i}" for i in range(count)])
+    gaps = random.Random(PACED_SEED)
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GenerateServiceStub(channel)
+        sent: list[asyncio.Task] = []
+        arrival = time.monotonic()
+        for i in range(count):
+            arrival += gaps.expovariate(rate)
+            await asyncio.sleep(max(0.0, arrival - time.monotonic()))
+            sent.append(asyncio.create_task(one_request(stub, outcome, i, args)))
+        await asyncio.gather(*sent)
     return outcome
 
 
@@ -451,7 +562,13 @@ COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index b
            ("scheduler_switches_per_request", "sched switches/req"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
-           ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"), ("loadavg_after", "loadavg"))
+           ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"),
+           ("paced_rate", "paced req/s"), ("paced_cores_busy", "paced cores busy"),
+           ("paced_hop_p99_ms", "paced gw->sched p99 ms"),
+           ("paced_decide_p50_ms", "paced decide p50 ms"), ("paced_decide_p99_ms", "paced decide p99 ms"),
+           ("paced_route_p50_ms", "paced route p50 ms"), ("paced_route_p99_ms", "paced route p99 ms"),
+           ("paced_ttft_p99_ms", "paced TTFT p99 ms"), ("paced_failed", "paced failed"),
+           ("loadavg_after", "loadavg"))
 
 
 def row(result: Result) -> str:
