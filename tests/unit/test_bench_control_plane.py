@@ -1,0 +1,31 @@
+"""bench/control_plane.py's paced figures without a cluster: routing's added latency read from span files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.control_plane import paced_latencies_ms
+from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
+
+MS = 1_000_000  # ns
+
+
+def start(name: str, service: str, request_id: str, at_ms: float) -> SpanStart:
+    return SpanStart("t" * 32, f"{name}-{request_id}", name, service, int(at_ms * MS), request_id)
+
+
+def test_paced_hops_are_read_per_request_from_every_services_spans(tmp_path: Path) -> None:
+    submit = SpanRecord("t" * 32, "s", None, SpanName.SCHEDULER_SUBMIT, "scheduler", 100 * MS, 200 * MS,
+                        attributes={Attr.REQUEST_ID: "r-1"},
+                        events=[SpanEvent(Event.ADMITTED, 100 * MS + MS // 2), SpanEvent(Event.ROUTED, 101 * MS),
+                                SpanEvent(Event.ROUTED, 150 * MS)])  # moved later: its first decision counts
+    span_file(tmp_path, "gateway").write_bytes(encode_records([start("chat m", "gateway", "r-1", 98.0),
+                                                               start("chat m", "gateway", "other", 1.0)]))
+    span_file(tmp_path, "scheduler").write_bytes(encode_records([start(SpanName.SCHEDULER_SUBMIT, "scheduler",
+                                                                       "r-1", 100.0), submit]))
+    span_file(tmp_path, "worker").write_bytes(encode_records([start(SpanName.COLOCATED, "worker", "r-1", 103.5),
+                                                              start(SpanName.COLOCATED, "worker", "r-1", 151.0)]))
+
+    hops = paced_latencies_ms(tmp_path, {"r-1"})
+
+    assert (hops.hop, hops.decide, hops.route) == ([2.0], [1.0], [3.5])
