@@ -127,7 +127,10 @@ class Result:
     paced_decide_p99_ms: float = float("nan")
     paced_route_p50_ms: float = float("nan")  # scheduler.submit start -> the worker's request span start
     paced_route_p99_ms: float = float("nan")
-    paced_hop_p99_ms: float = float("nan")  # the gateway's span start -> scheduler.submit start
+    paced_hop_p50_ms: float = float("nan")  # the gateway's span start -> scheduler.submit start
+    paced_hop_p99_ms: float = float("nan")
+    paced_assign_p50_ms: float = float("nan")  # the routed event -> the worker's request span start
+    paced_assign_p99_ms: float = float("nan")
     paced_ttft_p50_ms: float = float("nan")
     paced_ttft_p99_ms: float = float("nan")
     paced_cores_busy: float = float("nan")  # CPU-s a second of the cluster and the bench over the paced phase
@@ -335,7 +338,8 @@ def run_paced(cluster: SimCluster, pids: dict[str, int], args: argparse.Namespac
             "paced_failed": sum(outcome.failures.values()),
             "paced_decide_p50_ms": ms(hops.decide, 0.5), "paced_decide_p99_ms": ms(hops.decide, 0.99),
             "paced_route_p50_ms": ms(hops.route, 0.5), "paced_route_p99_ms": ms(hops.route, 0.99),
-            "paced_hop_p99_ms": ms(hops.hop, 0.99),
+            "paced_hop_p50_ms": ms(hops.hop, 0.5), "paced_hop_p99_ms": ms(hops.hop, 0.99),
+            "paced_assign_p50_ms": ms(hops.assign, 0.5), "paced_assign_p99_ms": ms(hops.assign, 0.99),
             "paced_ttft_p50_ms": ms(outcome.ttfts_ms, 0.5), "paced_ttft_p99_ms": ms(outcome.ttfts_ms, 0.99),
             "paced_cores_busy": round(used / wall, 2), "paced_nice": args.paced_nice}
 
@@ -369,11 +373,13 @@ def _own_cpu_seconds() -> float:
 @dataclass(slots=True)
 class PacedHops:
     """Per request, in ms: hop (the gateway's span start to scheduler.submit start), decide (to the
-    scheduler's routed event), route (to the start of the worker's request span)."""
+    scheduler's routed event), route (to the start of the worker's request span), assign (from the
+    routed event to the worker's span: the placement's way to the worker)."""
 
     hop: list[float] = field(default_factory=list)
     decide: list[float] = field(default_factory=list)
     route: list[float] = field(default_factory=list)
+    assign: list[float] = field(default_factory=list)
 
 
 def paced_latencies_ms(run_dir: Path, request_ids: set[str]) -> PacedHops:
@@ -400,6 +406,8 @@ def paced_latencies_ms(run_dir: Path, request_ids: set[str]) -> PacedHops:
         routed = [event.time_ns for event in span.events if event.name == Event.ROUTED]
         if routed:
             hops.decide.append((min(routed) - span.start_ns) / 1e6)
+            if span.request_id in placed:
+                hops.assign.append((placed[span.request_id] - min(routed)) / 1e6)
     hops.route = [(placed[r] - submitted[r]) / 1e6 for r in submitted if r in placed]
     hops.hop = [(submitted[r] - gateway[r]) / 1e6 for r in submitted if r in gateway]
     return hops
@@ -589,8 +597,10 @@ COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index b
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
            ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"),
            ("paced_rate", "paced req/s"), ("paced_nice", "paced nice"), ("paced_cores_busy", "paced cores busy"),
-           ("paced_hop_p99_ms", "paced gw->sched p99 ms"),
+           ("paced_hop_p50_ms", "paced gw->sched p50 ms"), ("paced_hop_p99_ms", "paced gw->sched p99 ms"),
            ("paced_decide_p50_ms", "paced decide p50 ms"), ("paced_decide_p99_ms", "paced decide p99 ms"),
+           ("paced_assign_p50_ms", "paced routed->worker p50 ms"),
+           ("paced_assign_p99_ms", "paced routed->worker p99 ms"),
            ("paced_route_p50_ms", "paced route p50 ms"), ("paced_route_p99_ms", "paced route p99 ms"),
            ("paced_ttft_p99_ms", "paced TTFT p99 ms"), ("paced_failed", "paced failed"),
            ("loadavg_after", "loadavg"))

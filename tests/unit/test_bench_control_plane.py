@@ -28,4 +28,4 @@ def test_paced_hops_are_read_per_request_from_every_services_spans(tmp_path: Pat
 
     hops = paced_latencies_ms(tmp_path, {"r-1"})
 
-    assert (hops.hop, hops.decide, hops.route) == ([2.0], [1.0], [3.5])
+    assert (hops.hop, hops.decide, hops.route, hops.assign) == ([2.0], [1.0], [3.5], [2.5])
