@@ -2,9 +2,11 @@
 
 A TokenBatch goes on the stream for each engine iteration in which requests started or ended (their
 first and final events: the tokens go to the gateway on the requests' own streams). When an open
-stream breaks the scheduler has lost this worker's requests, so the queued batches are dropped,
-`on_lost` lets the worker abort what no gateway reads (the rest streams on to its gateway), and the
-reporter reconnects with exponential backoff. An attempt that
+stream breaks the scheduler has lost this worker's requests (it failed or moved each one, and their
+gateways heard it), so the queued batches are dropped, `on_lost` lets the worker abort what no
+gateway reads (the rest streams on to its gateway; each one aborted is reported on the next stream,
+so a scheduler that had not seen the break still hears it end), and the reporter reconnects with
+exponential backoff. An attempt that
 never connected (the scheduler is restarting) fails nothing: what is queued waits for the next
 stream, since a restarted scheduler may route requests here before the stream is back.
 """
