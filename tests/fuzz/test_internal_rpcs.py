@@ -1,6 +1,6 @@
 """The internal RPCs under hypothesis-generated messages sent with the valid internal token: the
-scheduler's (Submit, Submissions, Abort, Stats, RegisterWorker, Heartbeat, DeregisterWorker, ReportBlocks,
-ReportTokens) and the workers' (Prefill, Reserve, Release, Abort, Stats, KV Push). Pass: no call
+scheduler's (Submit, Submissions, Abort, Stats, RegisterWorker, Heartbeat, Heartbeats, DeregisterWorker,
+ReportBlocks, ReportTokens) and the workers' (Prefill, Reserve, Release, Abort, Stats, KV Push). Pass: no call
 ends INTERNAL or UNKNOWN, no process dies, and once the workers a fuzzed RegisterWorker invented
 have lapsed (3 s TTL) the mesh serves the reference request's exact tokens and is idle.
 
@@ -81,6 +81,8 @@ SCHEDULER_RPCS = [
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Stats", scheduler_pb2.SchedulerStatsRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "RegisterWorker", scheduler_pb2.RegisterWorkerRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Heartbeat", scheduler_pb2.HeartbeatRequest.DESCRIPTOR),
+    Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "Heartbeats", scheduler_pb2.HeartbeatRequest.DESCRIPTOR,
+        client_streaming=True, server_streaming=True),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "DeregisterWorker",
         scheduler_pb2.DeregisterWorkerRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "ReportBlocks", scheduler_pb2.ReportBlocksRequest.DESCRIPTOR),
