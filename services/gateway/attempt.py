@@ -10,8 +10,8 @@ lost: the relay is interrupted and the gateway submits the continuation), or end
 finished: its final event is on the worker's stream). A worker stream that breaks or that the
 worker drops therefore ends quietly: the Submit call says why (a worker reports the requests it
 drops to the scheduler as their final event). A worker's error event is left to the scheduler
-too, which reports it as the call's status. A generator's stream that ends without its final
-event once the Submit call ended OK fails the request with UNAVAILABLE: the scheduler counted it
+too, which reports it as the call's status. Once the Submit call ended OK, the attempt's streams
+that all end without a final event fail the request with UNAVAILABLE: the scheduler counted it
 ended, but its last tokens were lost on the way (or it was aborted), and nothing else would end it.
 
 The Submit call and the workers' streams are separate calls, so the scheduler's status may reach
@@ -121,14 +121,23 @@ class Attempt:
 
     def _stream_ended(self, reader: _StreamReader) -> None:
         """A worker's stream gave its last event, or ended without it (`reader.finished` says which)."""
+        self._fail_if_unended()
         if not reader.generator:
             return
         self._generator_heard.set()
         if not reader.finished and self._current:
             self._generator_cut = Unavailable(f"request {self._relay.request_id}: the token stream from "
                                               f"{reader.address} ended before the request did; retry the request")
-            if self._scheduler_gone or self._submit_ended:
+            if self._scheduler_gone:
                 self._fail(self._generator_cut)
+
+    def _fail_if_unended(self) -> None:
+        """The Submit call ended OK and every stream of the attempt ended, yet no final event came (a
+        final event on any stream, the prefill worker's when the first token ends the request, closes the
+        relay first): its last tokens were lost on the way, or it was aborted; nothing else would end it."""
+        if self._submit_ended and self._current and all(reader.ended.done() for reader in self._readers):
+            self._fail(Unavailable(f"request {self._relay.request_id}: its token streams ended before the "
+                                   f"request did; retry the request"))
 
     async def _watch(self) -> None:
         try:
@@ -138,9 +147,8 @@ class Attempt:
                     self._relay.interrupt(Unavailable(
                         f"request {self._relay.request_id}: worker {event.lost.worker_id} was lost "
                         f"({event.lost.reason}); retry the request"))
-            self._submit_ended = True  # the final event is on its way, unless the stream ended without it
-            if self._generator_cut is not None and self._current:
-                self._fail(self._generator_cut)
+            self._submit_ended = True  # the final event is on its way, unless every stream ended without it
+            self._fail_if_unended()
         except grpc.aio.AioRpcError as error:
             if not self._current or error.code() == grpc.StatusCode.CANCELLED:
                 return

@@ -167,7 +167,7 @@ async def test_a_submit_ended_ok_with_the_generators_stream_cut_short_fails_unav
     tokens, error = await read_all(relay)
     assert tokens == [100, 101]
     assert isinstance(error, Unavailable) and error.message == (
-        f"request r: the token stream from {GENERATOR} ended before the request did; retry the request")
+        "request r: its token streams ended before the request did; retry the request")
     attempt.close()
 
 
@@ -178,6 +178,21 @@ async def test_a_submit_ended_ok_lets_a_final_event_that_comes_after_it_end_the_
     await asyncio.sleep(0)
     stream.give(token(0), token(1, common_pb2.FINISH_REASON_LENGTH), grpc.aio.EOF)
     assert await read_all(relay) == ([100, 101], None)
+    attempt.close()
+
+
+async def test_a_first_token_that_ends_the_request_on_the_prefill_stream_ends_it_though_the_decode_stream_was_dropped(
+        ) -> None:
+    relay = Relay("r")
+    submit, decode, prefill = FakeCall(), FakeStream(), FakeStream()
+    placement = scheduler_pb2.Placement(attempt_id="r", generator_address=GENERATOR, prefill_address="127.0.0.1:2")
+    attempt = Attempt(submit, placement, relay)
+    attempt.start(lambda address, request: decode if address == GENERATOR else prefill)
+    submit.give(grpc.aio.EOF)  # max_tokens 1: the scheduler counted it finished from the Prefill call
+    await asyncio.sleep(0)
+    decode.give(status(grpc.StatusCode.UNAVAILABLE, "request r was dropped by this worker: aborted"))  # released
+    prefill.give(token(0, common_pb2.FINISH_REASON_LENGTH), grpc.aio.EOF)
+    assert await read_all(relay) == ([100], None)
     attempt.close()
 
 
