@@ -6,11 +6,12 @@ what is measured.
 Sends `--requests` streamed requests, `--concurrency` at a time, each generating `--output-len`
 tokens (ignore_eos), and reports the gateway's CPU (from /proc/<pid>/stat) per delivered token
 and per request, with the SSE events per request (fewer than tokens when a message carried
-several) and the load average. Bounded: requests x tokens, each request with a timeout; every
+several) and the load average; with `--split`, that CPU as a fixed part per request and a part per
+token, from as many 2-token requests run after. Bounded: requests x tokens, each request with a timeout; every
 process is stopped at the end. `--profile FILE` records the gateway with py-spy (speedscope JSON).
 
 Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]
-[--stream-interval 4] [--event-loop asyncio]`.
+[--stream-interval 4] [--event-loop asyncio] [--split]`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Result:
     loadavg_before: str
     loadavg_after: str
     cpu: str
+    # With --split: the gateway's CPU as a fixed part per request and a part per token, from the run and as many
+    # 2-token requests right after it (a request of n tokens costs fixed + n x per token).
+    fixed_cpu_ms_per_request: float | None = None
+    marginal_cpu_ms_per_token: float | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +69,9 @@ class Outcome:
     tokens: int = 0
     events: int = 0
     failed: int = 0
+
+
+SHORT_LEN = 2  # --split's short requests: the tokens each generates
 
 
 async def one_request(client: httpx.AsyncClient, outcome: Outcome, i: int, args: argparse.Namespace) -> None:
@@ -117,6 +125,7 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT, not on SIGTERM
         profiler.wait(timeout=60)
     tokens = max(outcome.tokens, 1)
+    split = split_cpu(cluster, args, used) if args.split else {}
     return Result(requests=args.requests, failed=outcome.failed, tokens=outcome.tokens, events=outcome.events,
                   wall_s=round(wall, 2), tokens_per_s=round(outcome.tokens / wall, 1),
                   stream_interval=args.stream_interval, event_loop=args.event_loop,
@@ -125,7 +134,30 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                   event_loop_cpu_ms_per_token=round(loop_used * 1e3 / tokens, 4),
                   event_loop_system_ms_per_token=round(loop_system * 1e3 / tokens, 4),
                   gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
-                  loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model())
+                  loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model(), **split)
+
+
+def split_cpu(cluster: SimCluster, args: argparse.Namespace, used: float) -> dict[str, float]:
+    """The run's gateway CPU (`used` seconds over `args.requests` of `args.output_len` tokens) split
+    by `per_request_and_token`, with as many requests of SHORT_LEN tokens run now."""
+    if args.output_len <= SHORT_LEN:
+        raise SystemExit(f"--split needs --output-len above {SHORT_LEN}")
+    pid = cluster.pid("gateway")
+    before = cpu_seconds(pid)
+    short = asyncio.run(drive(cluster.http_gateway, args.requests, argparse.Namespace(**{**vars(args),
+                                                                                           "output_len": SHORT_LEN})))
+    if short.failed:
+        raise SystemExit(f"--split: {short.failed} of the {SHORT_LEN}-token requests failed")
+    fixed, per_token = per_request_and_token(used * 1e3 / args.requests, args.output_len,
+                                             (cpu_seconds(pid) - before) * 1e3 / args.requests, SHORT_LEN)
+    return {"fixed_cpu_ms_per_request": round(fixed, 3), "marginal_cpu_ms_per_token": round(per_token, 4)}
+
+
+def per_request_and_token(long_ms: float, long_len: int, short_ms: float, short_len: int) -> tuple[float, float]:
+    """(fixed ms per request, ms per token) from the CPU per request of requests of two lengths,
+    a request of n tokens taken to cost fixed + n x per token."""
+    per_token = (long_ms - short_ms) / (long_len - short_len)
+    return short_ms - short_len * per_token, per_token
 
 
 def loop_cpu(pid: int, system_only: bool = False) -> float:
@@ -162,6 +194,9 @@ def main() -> int:
                         help="the gateway's --event-loop")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="py-spy speedscope profile of the gateway")
     parser.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC's core, ...)")
+    parser.add_argument("--split", action="store_true",
+                        help=f"also run as many {SHORT_LEN}-token requests, and split the gateway's CPU into a "
+                             "fixed part per request and a part per token")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ["TANDEM_STREAM_INTERVAL"] = str(args.stream_interval)  # the gateway child reads them
