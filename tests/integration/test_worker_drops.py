@@ -1,7 +1,7 @@
 """A worker that drops a request on its own tells the scheduler, so the request ends at once with a
 status instead of waiting out its deadline. Real processes on loopback: a scheduler and a colocated
 sim worker (`tandem sim-worker`, slow steps, so a long request is still running when the fault
-comes); the test plays the gateway (the scheduler's Submit call, the worker's Follow call) and
+comes), or a prefill and a decode sim worker with a slow prefill; the test plays the gateway (the scheduler's Submit call, the worker's Follow call) and
 injects the fault as a gateway's broken connection would: its Follow call to the worker ends while
 the Submit call stays open. The Submit deadline is far beyond the wait for the answer: a request
 that ends by its deadline ends DEADLINE_EXCEEDED, which the tests refuse."""
