@@ -29,14 +29,9 @@ worker would; else remotely: a prompt that misses the target either way goes whe
 decode steps short. (The prefill worker's queue behind long prompts was where hybrid lost its
 goodput: short prompts sent there waited seconds while the decode worker had room.) Until the
 decode worker reports a cost model, or without an ITL target, the prompt-length rule stands in:
-locally when P is at most `local_tokens`, or, with a TTFT target, a short prompt (at most
-`local_tokens` itself) when no more prompt tokens are queued on the decode worker than on the prefill
-worker, a long one when P is at most the prefill worker's queue: a prompt joins the shorter queue,
-a long one only when the decode worker, slower at prompts between its decodes, would still finish it
-first. (Sending every long prompt to the prefill worker before the first fit was where hybrid's TTFT
-p99 went: a burst of 16 requests with four 1,000-token prompts gave the prefill worker 4,000 prompt
-tokens and the decode worker 1,200, and the fourth long prompt its first token 6.1 s in, over a 5 s
-target.) With no prefill worker, always locally.
+locally when P is at most `local_tokens`, or, with a TTFT target, when the prompt alone is and fewer
+prompt tokens are queued on the decode worker than on the prefill worker (a short prompt joins the
+shorter queue). With no prefill worker, always locally.
 """
 
 from __future__ import annotations
@@ -65,7 +60,6 @@ class Reason(enum.StrEnum):
     OVER_TTFT = "over_ttft"  # neither site meets the TTFT target: remote, the decode steps kept short
     SHORT_PROMPT = "short_prompt"  # no cost model or no ITL target: the prompt-length rule
     LONG_PROMPT = "long_prompt"
-    SHORTER_QUEUE = "shorter_queue"  # no cost model yet, a TTFT target: a long prompt, fewer prompt tokens queued here
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +128,11 @@ class PlacementPolicy:
         if not inputs.remote_available:
             return PrefillDecision(PrefillSite.LOCAL, Reason.NO_PREFILL_WORKER, inputs)
         if cost is None or self.itl_ms <= 0:
-            return self.by_prompt_tokens(inputs)
+            short = inputs.prefill_tokens <= self.local_tokens or (
+                self.ttft_ms > 0 and inputs.uncached_tokens <= self.local_tokens
+                and inputs.queued_tokens <= inputs.remote_queued_tokens)
+            return PrefillDecision(PrefillSite.LOCAL if short else PrefillSite.REMOTE,
+                                   Reason.SHORT_PROMPT if short else Reason.LONG_PROMPT, inputs)
         step = self.next_step_ms(cost, inputs)
         if step <= self.aimed_step_ms:
             return PrefillDecision(PrefillSite.LOCAL, Reason.WITHIN_ITL, inputs, step)
@@ -146,21 +144,6 @@ class PlacementPolicy:
         else:
             site, reason = PrefillSite.REMOTE, Reason.REMOTE_SOONER if remote <= local else Reason.OVER_TTFT
         return PrefillDecision(site, reason, inputs, step, local, remote)
-
-    def by_prompt_tokens(self, inputs: PrefillInputs) -> PrefillDecision:
-        """Without a cost model or an ITL target: locally when at most `local_tokens` prompt tokens would
-        be queued there with this one's. With a TTFT target also a short prompt when no more are queued
-        there than on the prefill worker, and a long one when no more are queued there, its own
-        included, than wait on the prefill worker ahead of it: the decode worker computes prompt tokens
-        between its decodes, slower than the prefill worker (about 450 against 650 a second, loaded)."""
-        if inputs.prefill_tokens <= self.local_tokens:
-            return PrefillDecision(PrefillSite.LOCAL, Reason.SHORT_PROMPT, inputs)
-        if self.ttft_ms > 0 and inputs.uncached_tokens <= self.local_tokens:
-            if inputs.queued_tokens <= inputs.remote_queued_tokens:
-                return PrefillDecision(PrefillSite.LOCAL, Reason.SHORT_PROMPT, inputs)
-        elif self.ttft_ms > 0 and inputs.prefill_tokens <= inputs.remote_queued_tokens:
-            return PrefillDecision(PrefillSite.LOCAL, Reason.SHORTER_QUEUE, inputs)
-        return PrefillDecision(PrefillSite.REMOTE, Reason.LONG_PROMPT, inputs)
 
     @property
     def aimed_step_ms(self) -> float:

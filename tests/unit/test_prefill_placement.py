@@ -131,17 +131,8 @@ def test_before_a_cost_model_with_a_ttft_target_a_short_prompt_joins_the_shorter
     assert TTFT.decide(inputs(200, queued=57, remote_queued_tokens=57), None) == PrefillDecision(
         PrefillSite.LOCAL, Reason.SHORT_PROMPT, inputs(200, queued=57, remote_queued_tokens=57))
     assert TTFT.decide(inputs(200, queued=57, remote_queued_tokens=56), None).reason is Reason.LONG_PROMPT
-    assert TTFT.decide(inputs(257, remote_queued_tokens=5000), None).reason is Reason.SHORTER_QUEUE  # not short itself
+    assert TTFT.decide(inputs(257, remote_queued_tokens=5000), None).reason is Reason.LONG_PROMPT  # not short itself
     assert ITL.decide(inputs(200, queued=57, remote_queued_tokens=5000), None).reason is Reason.LONG_PROMPT  # no TTFT
-
-
-def test_before_a_cost_model_with_a_ttft_target_a_long_prompt_prefills_locally_if_done_before_the_remote_queue() -> None:
-    # 500 queued here and its 1,000 tokens: no more than the 1,500 waiting on the prefill worker
-    assert TTFT.decide(inputs(1000, queued=500, remote_queued_tokens=1500), None) == PrefillDecision(
-        PrefillSite.LOCAL, Reason.SHORTER_QUEUE, inputs(1000, queued=500, remote_queued_tokens=1500))
-    assert TTFT.decide(inputs(1000, queued=500, remote_queued_tokens=1499), None).reason is Reason.LONG_PROMPT
-    assert TTFT.decide(inputs(1000), None).reason is Reason.LONG_PROMPT  # both queues empty: the prefill worker
-    assert ITL.decide(inputs(1000, queued=500, remote_queued_tokens=1500), None).site is PrefillSite.REMOTE  # no TTFT
 
 
 def test_without_a_cost_model_or_an_itl_target_the_prompt_length_rule_decides() -> None:
