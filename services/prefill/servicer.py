@@ -12,9 +12,9 @@ Why token 0 waits for the ack: the client's gap between tokens 0 and 1 is then t
 one step, as between any two of its tokens. Streamed at once, that gap also held the hand-off and
 the wait for the decode step in progress to end: in hybrid c16-long runs (SLO 200 ms, decode steps
 aimed at 120 ms) it was the longest gap of 1 to 5 requests a run, 211-253 ms against the 200 ms
-target, where the hand-off itself took 5-20 ms. The first token comes that much later (the wait, at most a decode
-step), within a TTFT target that has seconds where the gap target has milliseconds. A failed
-hand-off lets the token go as before.
+target, where the hand-off itself took 5-20 ms. The first token comes that much later (on a loaded
+machine, where this event loop answers late, up to the whole former gap), within a TTFT target that
+has seconds where the gap target has milliseconds. A failed hand-off lets the token go as before.
 
 The chunks' bytes travel in the Push messages, or, to a decode worker that can read this worker's
 shared-memory segments (probed once per address: the same host), in a segment of this worker's
