@@ -266,10 +266,10 @@ class Mesh:
 async def scheduler(*workers: str, ttl: float = 30.0, max_queue: int = 8, max_running: int = 4,
                     store: Store | None = None, spans: InMemorySpanExporter | None = None, migration: bool = True,
                     policy: scheduler_pb2.BatchPolicy | None = None, slo: SloPolicy | None = None,
-                    **options) -> AsyncIterator[Mesh]:
+                    watch_s: float = WATCH_S, **options) -> AsyncIterator[Mesh]:
     """A scheduler with the named fake workers ("p-0", "d-0", "c-0", ...) registered; its spans go to
     `spans` when given. `ttl` is in the mesh's clock's seconds, and in real ones for the scheduler's
-    calls to workers (their control timeout)."""
+    calls to workers (their control timeout); `watch_s` is the watcher's period, in real seconds."""
     clock = FakeClock()
     registry = WorkerRegistry(store or EmbeddedStore(clock), ttl, clock=clock)
     tracer = setup_tracing("scheduler", exporter=spans, install_global=False).get_tracer("test") if spans else None
@@ -279,7 +279,7 @@ async def scheduler(*workers: str, ttl: float = 30.0, max_queue: int = 8, max_ru
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                        SchedulerServicer(dispatcher, scheduler_id="test", policy=policy, slo=slo))
     await server.start()
-    dispatcher.start(WATCH_S)
+    dispatcher.start(watch_s)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     mesh = Mesh(f"127.0.0.1:{server.port}", dispatcher, scheduler_pb2_grpc.SchedulerServiceStub(channel), ttl,
                 clock)
@@ -487,7 +487,8 @@ async def test_a_request_without_decode_room_waits_in_the_queue_until_a_worker_r
 
 async def test_room_is_asked_once_for_a_request_let_in_at_once_and_again_after_a_wait(monkeypatch) -> None:
     """A request let in at once is routed on the one room() its arrival asked (nothing ran between);
-    one that waited asks again when a report may let it in, and before it is routed."""
+    one that waited asks again when a report may let it in, and before it is routed. The watcher
+    never ticks here: each tick lets the waiters ask again, which would add a check at random."""
     asked: list[str] = []
 
     def counting_room(registry, inflight, request):
@@ -496,7 +497,7 @@ async def test_room_is_asked_once_for_a_request_let_in_at_once_and_again_after_a
 
     monkeypatch.setattr(dispatcher_module, "room", counting_room)
     options = {"d-0": dict(free_blocks=1)}
-    async with scheduler("p-0", "d-0", **options) as mesh:
+    async with scheduler("p-0", "d-0", watch_s=3600.0, **options) as mesh:
         await completes(mesh.submit("small", prompt_tokens=10))  # 11 tokens: 1 block
         assert asked == ["small"]
 
