@@ -1,20 +1,10 @@
-"""PrefillService: computes a prompt's KV and first token, ships the KV to the decode worker's
-reserved blocks (KvTransferService.Push), streams the token once the decode worker has taken the
-request, and frees the KV here.
+"""PrefillService: computes a prompt's KV and first token, streams the token at once, then ships
+the KV to the decode worker's reserved blocks (KvTransferService.Push) and frees it here.
 
 One request's life here: queued in the engine -> prefilled (chunked, prefix cache reused) ->
-first token sampled -> KV exported layer by layer in chunks of at most --kv-chunk-bytes and pushed
--> the decode worker's ack (the request is in its running batch) -> the first token put on the
-request's token stream (the gateway reads it) -> blocks released (full ones stay cached) -> the
+first token sampled and put on the request's token stream (the gateway reads it) -> KV exported layer by layer in chunks
+of at most --kv-chunk-bytes and pushed -> blocks released (full ones stay cached) -> the
 prefix-cache changes reported -> PrefillResponse. An Abort ends it wherever it is.
-
-Why token 0 waits for the ack: the client's gap between tokens 0 and 1 is then the decode worker's
-one step, as between any two of its tokens. Streamed at once, that gap also held the hand-off and
-the wait for the decode step in progress to end: in hybrid c16-long runs (SLO 200 ms, decode steps
-aimed at 120 ms) it was the longest gap of 1 to 5 requests a run, 211-253 ms against the 200 ms
-target, where the hand-off itself took 5-20 ms. The first token comes that much later (on a loaded
-machine, where this event loop answers late, up to the whole former gap), within a TTFT target that
-has seconds where the gap target has milliseconds. A failed hand-off lets the token go as before.
 
 The chunks' bytes travel in the Push messages, or, to a decode worker that can read this worker's
 shared-memory segments (probed once per address: the same host), in a segment of this worker's
@@ -118,7 +108,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         runtime = self.runtime
         job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
         runtime.track(job.tracked, awaited=True, hands_on=True)
-        runtime.streams.hold(rid)  # token 0 goes out once the decode worker has taken the request
         runtime.spans.follow(rid, trace.get_current_span())
         output: RequestOutput | None = None
         done = False
@@ -146,7 +135,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 await served.loop.call(lambda engine: served.handoff.release_export(rid))
             done = True
         finally:
-            runtime.streams.release(rid)  # a failed hand-off: token 0 goes out as it came, the scheduler moves the rest
             aborted = runtime.was_aborted(rid)
             runtime.forget(rid)
             runtime.spans.end(rid, "abort")  # stops following the call's span if no token came
@@ -209,7 +197,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
             finally:
                 _close_quietly(export.chunks)
         self._check_admitted(request, ack)
-        self.runtime.streams.release(rid)
 
     async def _ship_streamed(self, request, job: PrefillJob, context, served: ServedModel, segment: Segment,
                              feed: _LayerFeed) -> RequestOutput | None:
@@ -251,7 +238,6 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
                 with self._timed(span, job, opened):
                     ack = await self._await_push(rid, job.push, request.decode_address)
                 self._check_admitted(request, ack)
-                runtime.streams.release(rid)  # now, not after the segment's stop (an engine call: a prefill step)
                 return output
             except TandemError as exc:
                 self._note_failed_push(request.decode_address, exc)

@@ -35,7 +35,6 @@ ATTACH_S = 30.0  # the gateway attaches right after placement; this only bounds 
 class _Stream:
     queue: asyncio.Queue[scheduler_pb2.TokenEvent | Unavailable] = field(default_factory=asyncio.Queue)
     hands_on: bool = False  # the last event is output token 0
-    held: list[scheduler_pb2.TokenEvent] | None = None  # events kept back until release() (None: not holding)
     opened: bool = False  # the worker took the request
     attached: bool = False
     left: bool = False  # its reader gave it up (a leave), rather than going with its call
@@ -72,33 +71,12 @@ class RequestStreams:
 
     def push(self, event: scheduler_pb2.TokenEvent) -> None:
         stream = self._streams.get(event.request_id)
-        if stream is None:
-            return
-        if stream.held is not None:
-            stream.held.append(event)
-        else:
-            stream.queue.put_nowait(event)
-
-    def hold(self, request_id: str) -> None:
-        """Keeps the request's events from its reader until `release` (a prefill worker's output token 0,
-        until the decode worker has taken the request); call after `open`."""
-        stream = self._streams.get(request_id)
-        if stream is not None and stream.held is None:
-            stream.held = []
-
-    def release(self, request_id: str) -> None:
-        """Lets the events kept back since `hold` go to the reader, in order, and the next ones at once."""
-        stream = self._streams.get(request_id)
-        if stream is None or stream.held is None:
-            return
-        held, stream.held = stream.held, None
-        for event in held:
+        if stream is not None:
             stream.queue.put_nowait(event)
 
     def drop(self, request_id: str, reason: str) -> None:
         """End the request's stream with UNAVAILABLE (its reader, if any, sees it after the events
-        before, held ones included; one that comes within `attach_s` still does)."""
-        self.release(request_id)
+        before; one that comes within `attach_s` still does)."""
         stream = self._streams.get(request_id)
         if stream is None:
             return

@@ -1,7 +1,7 @@
 """`tandem up --mode hybrid` as real processes: the decode worker also serves Assign, and the scheduler
 prefills a short prompt there (no KV transfer) and a long one on the prefill worker (KV transfer),
-both token-exact against HF greedy, the remote one's first token reaching the gateway only once the
-decode worker has its KV; the decision is on the route span and in the scheduler's /metrics. Without a step-cost model yet, the prompt-length rule decides (--local-prefill-tokens 32)."""
+both token-exact against HF greedy; the decision is on the route span and in the scheduler's
+/metrics. Without a step-cost model yet, the prompt-length rule decides (--local-prefill-tokens 32)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.spans import Attr, Event, SpanName, SpanRecord, load_span_files
+from services.common.spans import Attr, SpanName, SpanRecord, load_span_files
 from tandem.v1 import gateway_pb2
 from tests.hf_reference import MAX_NEW_TOKENS, PARITY_PROMPTS, assert_matches
 from tests.mesh import Mesh, collect, greedy_request
@@ -57,19 +57,6 @@ def route_span(run_dir: Path, request_id: str) -> SpanRecord:
     return wait_until(found, f"the scheduler.submit span of {request_id}")
 
 
-def first_token_after_the_kv_arrived(run_dir: Path, request_id: str) -> tuple[int, int]:
-    """(when the gateway got the request's first token, when the decode worker's KV receive span ended:
-    after the request was in its running batch), from the span files."""
-    def found() -> tuple[int, int] | None:
-        spans = [s for s in load_span_files(run_dir).spans if s.request_id == request_id]
-        first = next((e.time_ns for s in spans if s.service == "gateway" for e in s.events
-                      if e.name == Event.FIRST_TOKEN), None)
-        received = next((s.end_ns for s in spans if s.name == SpanName.KV_RECEIVE), None)
-        return None if first is None or received is None else (first, received)
-
-    return wait_until(found, f"the gateway's first token and the KV receive span of {request_id}")
-
-
 def test_a_short_prompt_prefills_on_the_decode_worker_a_long_one_on_the_prefill_worker(
         mesh, run_dir, parity_prompts, parity_references):
     decode, prefill = (f"{role}-{mesh.endpoint(f'{role}-0').address}" for role in ("decode", "prefill"))
@@ -96,6 +83,4 @@ def test_a_short_prompt_prefills_on_the_decode_worker_a_long_one_on_the_prefill_
     span = route_span(run_dir, messages[0].request_id)
     assert (span.attributes[Attr.PREFILL_PLACEMENT], span.attributes[Attr.PREFILL_PLACEMENT_REASON]) == (
         "remote", "long_prompt")
-    first_token_ns, kv_received_ns = first_token_after_the_kv_arrived(run_dir, messages[0].request_id)
-    assert first_token_ns > kv_received_ns  # the prefill worker held token 0 until the decode worker's ack
     mesh.wait_idle(DEADLINE_S)

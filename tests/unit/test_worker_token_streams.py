@@ -1,6 +1,5 @@
 """A worker's request token streams: events wait for the gateway that reads them, whichever comes
-first (the request or the reader); a prefill worker's stream ends at output token 0, held back
-until the decode worker took the request; a request
+first (the request or the reader); a prefill worker's stream ends at output token 0; a request
 nobody reads within the bound, or whose reader leaves early, is given up; a dropped request ends
 its reader with UNAVAILABLE; events waiting for the reader go out joined, never across a gap, a
 worker or a drop."""
@@ -55,32 +54,6 @@ async def test_a_prefill_workers_stream_ends_at_output_token_0() -> None:
     assert await read(streams) == [(0, [7])]
     streams.push(event(1, 8))  # nothing is held any more
     assert "r" not in streams
-
-
-async def test_a_held_stream_keeps_its_events_from_the_reader_until_released() -> None:
-    streams = RequestStreams(lambda r: None)
-    streams.open("r", hands_on=True)
-    streams.hold("r")  # a prefill worker's token 0 waits for the decode worker's ack
-    reader = asyncio.ensure_future(read(streams))
-    streams.push(event(0, 7))
-    for _ in range(20):  # the reader's turns of the loop: it must still be waiting
-        await asyncio.sleep(0)
-    assert not reader.done()
-    streams.release("r")
-    assert await asyncio.wait_for(reader, 5) == [(0, [7])]
-
-
-async def test_dropping_a_held_stream_lets_its_held_events_go_first() -> None:
-    streams = RequestStreams(lambda r: None)
-    streams.open("r")
-    streams.hold("r")
-    streams.push(event(0, 7))
-    streams.drop("r", "the hand-off failed")
-    got: list[tuple[int, list[int]]] = []
-    with pytest.raises(Unavailable):
-        async for e in streams.follow("r"):
-            got.append((e.output_offset, list(e.token_ids)))
-    assert got == [(0, [7])]
 
 
 async def test_a_request_nobody_reads_within_the_bound_is_given_up() -> None:
