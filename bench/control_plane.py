@@ -263,7 +263,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
     paced = run_paced(cluster, pids, args)
     hits, routed = prefix_hits(cluster.run_dir, set(outcome.request_ids))
-    routing = routing_latencies_ms(cluster.run_dir, set(outcome.request_ids))
+    routing = route_hops_ms(cluster.run_dir, set(outcome.request_ids)).route
     tokens = max(outcome.tokens, 1)
     ok = args.requests - sum(outcome.failures.values())
     marginal_s = max(used["scheduler"] - idle_rate * wall, 0.0) / max(ok, 1)
@@ -332,7 +332,7 @@ def run_paced(cluster: SimCluster, pids: dict[str, int], args: argparse.Namespac
         outcome = asyncio.run(drive_paced(cluster.gateway, args.paced_requests, args.paced_rate, args))
     wall = time.monotonic() - started
     used = sum(cpu_seconds(p) - before[n] for n, p in pids.items()) + _own_cpu_seconds() - own_before
-    hops = paced_latencies_ms(cluster.run_dir, set(outcome.request_ids))
+    hops = route_hops_ms(cluster.run_dir, set(outcome.request_ids))
     ms = lambda values, q: round(percentile(values, q), 2)  # noqa: E731
     return {"paced_rate": args.paced_rate, "paced_requests": args.paced_requests,
             "paced_failed": sum(outcome.failures.values()),
@@ -371,7 +371,7 @@ def _own_cpu_seconds() -> float:
 
 
 @dataclass(slots=True)
-class PacedHops:
+class RouteHops:
     """Per request, in ms: hop (the gateway's span start to scheduler.submit start), decide (to the
     scheduler's routed event), route (to the start of the worker's request span), assign (from the
     routed event to the worker's span: the placement's way to the worker)."""
@@ -382,9 +382,10 @@ class PacedHops:
     assign: list[float] = field(default_factory=list)
 
 
-def paced_latencies_ms(run_dir: Path, request_ids: set[str]) -> PacedHops:
-    """From the span files: every process's span starts, and the scheduler's finished spans' routed events.
-    A request routed more than once (moved after a worker was lost) counts its first decision."""
+def route_hops_ms(run_dir: Path, request_ids: set[str]) -> RouteHops:
+    """From the span files: every process's span starts, and the scheduler's finished spans' routed events
+    (the run's "route p99" reads `route`, the paced phase all four). A request routed more than once
+    (moved after a worker was lost) counts its first decision."""
     loaded = load_span_files(run_dir)
     gateway: dict[str, int] = {}
     submitted: dict[str, int] = {}
@@ -399,7 +400,7 @@ def paced_latencies_ms(run_dir: Path, request_ids: set[str]) -> PacedHops:
             placed[request_id] = min(span.start_ns, placed.get(request_id, span.start_ns))
         elif span.service == "gateway":
             gateway[request_id] = min(span.start_ns, gateway.get(request_id, span.start_ns))
-    hops = PacedHops()
+    hops = RouteHops()
     for span in loaded.spans:
         if span.name != SpanName.SCHEDULER_SUBMIT or span.request_id not in request_ids:
             continue
@@ -550,20 +551,6 @@ def thread_use(pid: int) -> ThreadUse:
             others_s += seconds
         switches += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
     return ThreadUse(loop_s, others_s, switches)
-
-
-def routing_latencies_ms(run_dir: Path, request_ids: set[str]) -> list[float]:
-    """Per request: start of its scheduler.submit span to the start of its first worker span."""
-    submitted: dict[str, int] = {}
-    placed: dict[str, int] = {}
-    for span in load_span_files(run_dir).started:
-        if span.request_id not in request_ids:
-            continue
-        if span.name == SpanName.SCHEDULER_SUBMIT:
-            submitted.setdefault(span.request_id, span.start_ns)
-        elif span.name in WORKER_SPANS:
-            placed[span.request_id] = min(span.start_ns, placed.get(span.request_id, span.start_ns))
-    return [(placed[r] - submitted[r]) / 1e6 for r in submitted if r in placed]
 
 
 def percentile(values: list[float], q: float) -> float:

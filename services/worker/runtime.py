@@ -289,7 +289,8 @@ class WorkerRuntime:
             return []
         if dropped is not None:
             self._report_dropped(ids, dropped)
-        waited = self._drop_handlers(ids, dropped or "aborted")
+        reason = dropped or "aborted"
+        waited = self._drop_handlers(ids, reason)
         served = list(self.models.models().values())
         for model in served:
             for request_id in ids:
@@ -299,8 +300,7 @@ class WorkerRuntime:
         dropped_ids = [rid for rids in held for rid in rids]
         # A handler that tracked its request after _drop_handlers, and got it into the engine before
         # _drop_all, waits for an output that will never come: it hears of the abort now.
-        self._drop_handlers([rid for rid in dropped_ids if rid not in waited and self.is_awaited(rid)],
-                            dropped or "aborted")
+        self._drop_handlers([rid for rid in dropped_ids if rid not in waited and self.is_awaited(rid)], reason)
         return list(dict.fromkeys([*waited, *dropped_ids]))
 
     def _report_dropped(self, request_ids: list[str], why: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.control_plane import paced_latencies_ms
+from bench.control_plane import route_hops_ms
 from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 MS = 1_000_000  # ns
@@ -26,6 +26,6 @@ def test_paced_hops_are_read_per_request_from_every_services_spans(tmp_path: Pat
     span_file(tmp_path, "worker").write_bytes(encode_records([start(SpanName.COLOCATED, "worker", "r-1", 103.5),
                                                               start(SpanName.COLOCATED, "worker", "r-1", 151.0)]))
 
-    hops = paced_latencies_ms(tmp_path, {"r-1"})
+    hops = route_hops_ms(tmp_path, {"r-1"})
 
     assert (hops.hop, hops.decide, hops.route, hops.assign) == ([2.0], [1.0], [3.5], [2.5])
