@@ -9,7 +9,7 @@ Full decode memory: requests wait in the queue for room, none is refused. Last, 
 killed (SIGKILL) under load: every request in flight ends with UNAVAILABLE or its whole reference,
 `tandem up` restarts it, the workers register again and new requests are token-exact.
 
-One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 2 s heartbeat TTL,
+One mesh for the module: 1 prefill and 2 decode workers of 40 MiB KV each, a 4 s heartbeat TTL,
 migration off (TANDEM_MIGRATION=0), so a worker lost under a started request fails it with
 UNAVAILABLE (tests/integration/test_migration.py moves it instead).
 """
@@ -34,7 +34,8 @@ from tests.waiting import DEADLINE_S, wait_until
 
 API_KEY = "faults-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
-TTL_S = 2.0
+TTL_S = 4.0
+FRESH_HEARTBEAT_MS = 150.0  # a worker is frozen only this soon after a heartbeat: it stays routable ~TTL_S
 ANSWER_S = DEADLINE_S  # the bound on a request's answer once a worker it needs froze (found within the TTL)
 CLIENT_TIMEOUT_S = 120  # far beyond ANSWER_S: the answer must not be the client's own deadline
 ENV = {"TANDEM_API_KEYS": API_KEY, "TANDEM_KV_MEMORY": "40MiB", "TANDEM_THREADS": "1",
@@ -97,15 +98,23 @@ def answer(future: Future, since: float) -> list[int] | grpc.RpcError:
 
 
 @contextmanager
-def frozen(*workers: Endpoint) -> Iterator[float]:
-    """SIGSTOP the workers (yields when), SIGCONT them on leaving, whatever happened."""
+def frozen(mesh: Mesh, *workers: Endpoint) -> Iterator[float]:
+    """SIGSTOP the workers (yields when), SIGCONT them on leaving, whatever happened.
+
+    Each is stopped just after the scheduler heard its heartbeat, so it stays registered for nearly a
+    whole TTL: a request sent next is routed to it even when a loaded machine slows the request down."""
     for worker in workers:
+        wait_until(lambda: heartbeat_age_ms(mesh, worker) < FRESH_HEARTBEAT_MS, f"a heartbeat from {worker.name}")
         os.kill(worker.pid, signal.SIGSTOP)
     try:
         yield time.monotonic()
     finally:
         for worker in workers:
             os.kill(worker.pid, signal.SIGCONT)
+
+
+def heartbeat_age_ms(mesh: Mesh, endpoint: Endpoint) -> float:
+    return next(w.heartbeat_age_ms for w in mesh.scheduler_stats().workers if w.info.address == endpoint.address)
 
 
 def workers(mesh: Mesh, role: int) -> list[Endpoint]:
@@ -143,7 +152,7 @@ def assert_unavailable(outcome: list[int] | grpc.RpcError, request_id: str) -> N
 
 def test_a_request_sent_while_its_decode_worker_is_frozen_moves_on_to_the_other(mesh, pool, reference):
     first = first_ranked_decode(mesh)
-    with frozen(worker(mesh, first)) as since:
+    with frozen(mesh, worker(mesh, first)) as since:
         outcome = answer(send(mesh, pool, probe("during-decode-freeze")), since)
     assert outcome == reference
     route = route_of(mesh, "during-decode-freeze")
@@ -154,7 +163,7 @@ def test_a_request_sent_while_its_decode_worker_is_frozen_moves_on_to_the_other(
 def test_a_request_sent_while_every_decode_worker_is_frozen_is_unavailable(mesh, pool, reference):
     decode = workers(mesh, common_pb2.WORKER_ROLE_DECODE)
     assert len(decode) == 2
-    with frozen(*decode) as since:
+    with frozen(mesh, *decode) as since:
         outcome = answer(send(mesh, pool, probe("during-full-freeze")), since)
     assert_unavailable(outcome, "during-full-freeze")
     serves_again(mesh, reference, "after-full-freeze")
@@ -162,7 +171,7 @@ def test_a_request_sent_while_every_decode_worker_is_frozen_is_unavailable(mesh,
 
 def test_a_request_whose_prefill_worker_freezes_is_unavailable(mesh, pool, reference):
     (prefill,) = workers(mesh, common_pb2.WORKER_ROLE_PREFILL)
-    with frozen(prefill) as since:
+    with frozen(mesh, prefill) as since:
         outcome = answer(send(mesh, pool, probe("during-prefill-freeze")), since)
     assert_unavailable(outcome, "during-prefill-freeze")
     serves_again(mesh, reference, "after-prefill-freeze")
@@ -174,7 +183,7 @@ def test_a_request_whose_decode_worker_freezes_mid_stream_is_unavailable(mesh, r
     call = mesh.gateway().Generate(request, metadata=AUTH, timeout=CLIENT_TIMEOUT_S)
     next(call)
     next(call)  # a token from the decode worker
-    with frozen(worker(mesh, route_of(mesh, "mid-stream").decode_worker_id)) as since:
+    with frozen(mesh, worker(mesh, route_of(mesh, "mid-stream").decode_worker_id)) as since:
         with pytest.raises(grpc.RpcError) as error:
             for _ in call:
                 pass
@@ -197,13 +206,13 @@ def test_a_request_whose_worker_freezes_during_its_prefill_and_kv_transfer_is_un
     request = greedy_request(LONG_PROMPTS[role], MAX_TOKENS, request_id=request_id)
     request.sampling.ignore_eos = True
     with ExitStack() as stopped:
-        since = stopped.enter_context(frozen(prefill))
+        since = stopped.enter_context(frozen(mesh, prefill))
         outcome = send(mesh, pool, request)
         wait_until(lambda: mesh.worker_stats(decode.name).reserved_blocks > 0 or outcome.done(),
                    "the decode worker to reserve the request's blocks")
         assert not outcome.done(), f"the request ended before its KV transfer: {outcome.result()}"
         if role == "decode":
-            since = stopped.enter_context(frozen(decode))
+            since = stopped.enter_context(frozen(mesh, decode))
             os.kill(prefill.pid, signal.SIGCONT)
         ended = answer(outcome, since)
     assert_unavailable(ended, request_id)
