@@ -369,12 +369,14 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, heartbeat_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., policy: _Optional[_Union[BatchPolicy, _Mapping]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "renewed_elsewhere")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    renewed_elsewhere: bool
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., renewed_elsewhere: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "policy")
