@@ -11,9 +11,11 @@ queued.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from services.colocated.assignments import serve_assignments
+from services.common.placer import placer_of
 from services.common.tracing import SpanName, extract_context
 from services.worker.events import TrackedRequest
 from services.worker.servicer_base import WorkerServicerBase, check_request, engine_rejection, sampling_params
@@ -23,18 +25,20 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 class ColocatedServicer(WorkerServicerBase, worker_pb2_grpc.ColocatedServiceServicer):
     async def Assign(self, request_iterator: AsyncIterator[worker_pb2.RunRequest],
                      context) -> AsyncIterator[worker_pb2.RunResult]:
-        async for result in serve_assignments(request_iterator, self._run):
+        placed = functools.partial(self._run, placer=placer_of(context.invocation_metadata()))
+        async for result in serve_assignments(request_iterator, placed):
             yield result
 
-    async def _run(self, request: worker_pb2.RunRequest) -> int:
-        """Queues the request in the engine; returns how many requests wait ahead of it."""
+    async def _run(self, request: worker_pb2.RunRequest, placer: str = "") -> int:
+        """Queues the request in the engine; returns how many requests wait ahead of it. `placer`: the
+        scheduler replica whose Assign stream carried it (services/common/placer.py)."""
         rid = request.request_id
         check_request(rid, request.token_ids)
         params = sampling_params(request.sampling)
         ids = list(request.token_ids)
         runtime = self.runtime
         async with runtime.serving(request.model) as served:
-            runtime.track(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
+            runtime.track(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None, placer=placer))
             # Before the engine has it: its first iteration may be reported before the answer goes out.
             runtime.spans.start(SpanName.COLOCATED, rid, extract_context(request.trace_context.items()),
                                 prefilling=True)

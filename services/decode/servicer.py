@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound, Overloaded
+from services.common.placer import placer_of
 from services.common.sampling_params import SamplingParams
 from services.common.tracing import Attr, SpanName, extract_context, kv_transfer_attributes
 from services.common.wire import abort_ids
@@ -57,6 +58,7 @@ class Waiting:
     trace_context: Context  # of the Reserve call (the scheduler's span): the decode span's parent
     expiry: asyncio.TimerHandle
     lora: str = ""  # the adapter the reservation is for: KV computed under another one is refused
+    placer: str = ""  # the scheduler replica that reserved it (services/common/placer.py)
 
 
 @dataclass(slots=True)
@@ -119,8 +121,9 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             raise InvalidRequest("request_id", str(exc)) from exc
         ttl = request.ttl_ms / 1000 if request.ttl_ms > 0 else DEFAULT_RESERVATION_TTL_S
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid, reservation)
-        self._waiting[rid] = Waiting(reservation, extract_context(context.invocation_metadata()), expiry,
-                                     request.lora)
+        metadata = context.invocation_metadata()
+        self._waiting[rid] = Waiting(reservation, extract_context(metadata), expiry, request.lora,
+                                     placer_of(metadata))
         return worker_pb2.ReserveResponse(block_ids=reservation.block_ids, free_blocks=free,
                                           block_size=engine.blocks.block_size,
                                           reused_blocks=reservation.reused_blocks)
@@ -307,6 +310,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         tracked.started_ns = tracked.first_token_ns = time.time_ns()
         waiting = self._forget_waiting(rid)
         assert waiting is not None  # an abort would have cancelled the reservation
+        tracked.placer = waiting.placer
         self.runtime.track(tracked)
         self.runtime.spans.start(SpanName.DECODE, rid, waiting.trace_context, prefilling=False)
         try:

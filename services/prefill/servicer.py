@@ -38,6 +38,7 @@ from services.common.errors import (
     grpc_status,
 )
 from services.common.grpc_server import remaining_timeout
+from services.common.placer import placer_of
 from services.common.tracing import Attr, SpanName, extract_context, inject_metadata, kv_transfer_attributes
 from services.common.wire import logprob_to_proto
 from services.runtime.engine import RequestOutput
@@ -106,7 +107,8 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillServiceServicer
         rid = request.request_id
         ids = list(request.token_ids)
         runtime = self.runtime
-        job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None))
+        job = PrefillJob(TrackedRequest(rid, len(ids), logprobs=params.logprobs is not None,
+                                        placer=placer_of(context.invocation_metadata())))
         runtime.track(job.tracked, awaited=True, hands_on=True)
         runtime.spans.follow(rid, trace.get_current_span())
         output: RequestOutput | None = None

@@ -199,7 +199,8 @@ async def serve(config: SchedulerConfig) -> None:
     metrics = ServiceMetrics("", "scheduler")
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
-    clients = WorkerClients(config.internal_token, config.internal_tls)
+    scheduler_id = secrets.token_hex(6)
+    clients = WorkerClients(config.internal_token, config.internal_tls, scheduler_id=scheduler_id)
     registry = WorkerRegistry(store, config.heartbeat_ttl, listing_reuse_s=LISTING_REUSE_S,
                               placement=config.placement)
     dispatcher = Dispatcher(registry, clients, max_queue=config.max_queue,
@@ -208,7 +209,7 @@ async def serve(config: SchedulerConfig) -> None:
     server = create_server(config.host, config.port, internal_token=config.internal_token,
                            credentials=config.internal_tls.server_credentials() if config.internal_tls else None)
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-                       SchedulerServicer(dispatcher, scheduler_id=secrets.token_hex(6), policy=batch_policy(config),
+                       SchedulerServicer(dispatcher, scheduler_id=scheduler_id, policy=batch_policy(config),
                                         slo=slo_policy(config)))
     try:
         await server.start()

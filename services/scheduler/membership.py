@@ -56,10 +56,11 @@ class Membership:
         """A worker joined: more requests may run, and its blocks are free."""
         self._on_room()
 
-    async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
-        """Renew a worker. False tells it to register again, upon which it drops every request it
-        holds: their attempts end here at once (the watcher may not have seen the lapse yet)."""
-        known = await self.registry.heartbeat(worker_id, load)
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, renew_store: bool = True) -> bool:
+        """Renew a worker (in the store too unless another replica does: registry.heartbeat). False
+        tells it to register again, upon which it drops every request it holds: their attempts end
+        here at once (the watcher may not have seen the lapse yet)."""
+        known = await self.registry.heartbeat(worker_id, load, renew_store)
         if not known and self._inflight.held_by(worker_id):
             self.lost(worker_id, "its heartbeat lapsed")
         self._on_room()  # the worker may report freed blocks

@@ -2,6 +2,10 @@
 
 A worker is live while the store lists it, or while this scheduler received its registration or
 heartbeat within the TTL, and it was not dropped (lost, or deregistered) since it last registered.
+A worker with several scheduler replicas heartbeats to each and has one of them renew its store
+entry (`renew_store`); the others renew their mirror only, so the store takes one write a heartbeat
+whatever the number of replicas, and each replica still hears every worker (its load, and its
+liveness through an outage of the store).
 The local mirror of registrations is the "last known state": when the store raises
 StoreUnavailable the registry routes from it, without prefix hits, and is `degraded`; it leaves the
 store alone for STORE_RETRY_S (a hung Redis would cost its timeout on every request) and recovers
@@ -103,12 +107,17 @@ class WorkerRegistry:
         await self._store_call(lambda: self.store.register_worker(info, self.ttl, load))
         self._drop_listing()
 
-    async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
-        """Renew a worker; False when it must register again (unknown here, lapsed, or dropped)."""
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, renew_store: bool = True) -> bool:
+        """Renew a worker; False when it must register again (unknown here, lapsed, or dropped).
+        `renew_store` False: another replica sharing the store renews its entry there (the worker
+        has it write its heartbeats): only the local mirror is renewed, and it decides; a worker the
+        mirror lacks (this scheduler restarted, and has not listed the store since) asks the store."""
         if worker_id in self._dropped:
             return False
         seen = self._fresh(worker_id) or self._adopt(worker_id)
-        ok, known = await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
+        ok, known = False, None
+        if renew_store or seen is None:
+            ok, known = await self._store_call(lambda: self.store.heartbeat(worker_id, load, self.ttl))
         if not (ok and known):  # the store is down or lost it: the local mirror decides (and refills it)
             known = seen is not None
             if known and ok:

@@ -83,7 +83,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return membership.answer_in_order(request_iterator, lambda request: self.Heartbeat(request, context))
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context) -> scheduler_pb2.HeartbeatResponse:
-        known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load))
+        known = await self._dispatcher.membership.heartbeat(request.worker_id, load_from_pb(request.load),
+                                                            renew_store=not request.renewed_elsewhere)
         if not known:
             return scheduler_pb2.HeartbeatResponse(known=False)
         cost = _step_cost(request.load)

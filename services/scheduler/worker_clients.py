@@ -1,7 +1,7 @@
 """Outgoing calls to workers: one grpc.aio channel per worker address, kept open with its stubs (a
 stub builds a callable per method: built once, not per call) and, for a colocated or hybrid decode
 worker, its Assign stream (assign_stream.py); the metadata (W3C trace context of the request's span,
-internal token) every call carries, over mutual TLS when set."""
+internal token, this scheduler's id: services/common/placer.py) every call carries, over mutual TLS when set."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from services.common.channels import internal_channel
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
+from services.common.placer import placer_metadata
 from services.common.tls import MutualTLS
 from services.common.tracing import inject_metadata
 from services.scheduler.assign_stream import AssignStream
@@ -22,8 +23,11 @@ Stub = TypeVar("Stub")
 
 
 class WorkerClients:
-    def __init__(self, internal_token: str | None = None, tls: MutualTLS | None = None) -> None:
+    def __init__(self, internal_token: str | None = None, tls: MutualTLS | None = None,
+                 scheduler_id: str = "") -> None:
+        """`scheduler_id`: named on every call, so a worker reports the requests placed here to this replica."""
         self._internal_token = internal_token
+        self._placer = placer_metadata(scheduler_id)
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[type, str], Any] = {}  # (stub class, address) -> stub on that address's channel
@@ -43,7 +47,7 @@ class WorkerClients:
         stream = self._assign.get(address)
         if stream is None:
             token = ((INTERNAL_TOKEN_KEY, self._internal_token),) if self._internal_token else ()
-            stream = self._assign[address] = AssignStream(self.colocated(address), token)
+            stream = self._assign[address] = AssignStream(self.colocated(address), token + self._placer)
         return stream
 
     def models(self, address: str) -> worker_pb2_grpc.ModelServiceStub:
@@ -54,7 +58,7 @@ class WorkerClients:
         pairs = trace_context(span)
         if self._internal_token:
             pairs.append((INTERNAL_TOKEN_KEY, self._internal_token))
-        return tuple(pairs)
+        return (*pairs, *self._placer)
 
     def leaving(self, address: str) -> None:
         """A worker is leaving (it deregistered): end its Assign stream once its answers are out, so

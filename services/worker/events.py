@@ -54,15 +54,18 @@ class TrackedRequest:
     started_ns: int | None = None  # first scheduled in an engine iteration
     first_token_ns: int | None = None  # first token produced on this worker
     reported: bool = False  # the scheduler got its first event on this worker
+    placer: str = ""  # the scheduler replica that placed it here ("": unknown; services/common/placer.py)
     timings: common_pb2.RequestTimings = field(default_factory=common_pb2.RequestTimings)
 
 
 @dataclass(slots=True)
 class StepEvents:
-    """One step's events: all of them (for the requests' token streams), and the batch the scheduler gets."""
+    """One step's events: all of them (for the requests' token streams), and the batch the scheduler gets,
+    with the placer of each of its events' requests, in order."""
 
     events: list[scheduler_pb2.TokenEvent]
     report: scheduler_pb2.TokenBatch | None
+    placers: tuple[str, ...] = ()
 
 
 def _batch(step: StepResult, events: list[scheduler_pb2.TokenEvent]) -> scheduler_pb2.TokenBatch:
@@ -111,7 +114,7 @@ class TokenBatcher:
         """The step's events, for the streams and for the scheduler; final ones are forgotten."""
         self._note_started(step)
         now = time.time_ns()
-        events, report = [], []
+        events, report, placers = [], [], []
         for output in step.outputs:
             tracked = self.requests.get(output.request_id)
             if tracked is None:
@@ -122,9 +125,10 @@ class TokenBatcher:
             if final or not tracked.reported:
                 tracked.reported = True
                 report.append(_without_prompt_logprobs(event))
+                placers.append(tracked.placer)
             if final:
                 self.forget(output.request_id)
-        return StepEvents(events, _batch(step, report) if report else None)
+        return StepEvents(events, _batch(step, report) if report else None, tuple(placers))
 
     def _note_started(self, step: StepResult) -> None:
         if not self._unstarted:

@@ -1,6 +1,7 @@
 """A worker's membership in the scheduler's registry: RegisterWorker, periodic heartbeats with its
 load (on one Heartbeats stream: heartbeat_stream.py), registering again when the scheduler no longer
-knows it, and DeregisterWorker on shutdown.
+knows it, and DeregisterWorker on shutdown. With several scheduler replicas, one Registration each,
+sharing a StoreRenewal (store_renewal.py): one replica writes each heartbeat to the store.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from services.worker.heartbeat_stream import HeartbeatStream
+from services.worker.store_renewal import StoreRenewal
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,12 @@ class Registration:
         on_reregistered: Callable[[scheduler_pb2.RegisterWorkerResponse], Awaitable[None]] | None = None,
         on_policy: Callable[[scheduler_pb2.BatchPolicy], Awaitable[None]] | None = None,
         on_forgotten: Callable[[], None] | None = None,
+        renewal: tuple[StoreRenewal, int] | None = None,
     ) -> None:
+        """`renewal`: the worker's StoreRenewal and this scheduler's seat in it (None: one scheduler,
+        which renews the store)."""
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self._renewal = renewal
         self._heartbeat_stream = HeartbeatStream(self._stub, metadata)
         self.info = info
         self._load = load
@@ -131,8 +137,16 @@ class Registration:
     async def heartbeat(self) -> bool:
         """One heartbeat; when the scheduler forgot us: on_forgotten, registers again, starts on_reregistered."""
         request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load())
+        if self._renewal is not None:
+            renewal, seat = self._renewal
+            request.renewed_elsewhere = not renewal.renews(seat)
         timeout = min(self.interval_s, RPC_TIMEOUT_S) if self.interval_s > 0 else RPC_TIMEOUT_S
-        response = await self._heartbeat_stream.exchange(request, timeout)
+        try:
+            response = await self._heartbeat_stream.exchange(request, timeout)
+        except grpc.aio.AioRpcError:
+            self._heard(False)
+            raise
+        self._heard(True)
         if response.known:
             if response.HasField("policy") and self._on_policy is not None:
                 await self._on_policy(response.policy)
@@ -145,6 +159,11 @@ class Registration:
             self._rejoin = asyncio.create_task(self._rejoined(self._rejoin, self._on_reregistered, response),
                                                name="rejoin")
         return False
+
+    def _heard(self, ok: bool) -> None:
+        if self._renewal is not None:
+            renewal, seat = self._renewal
+            renewal.heard(seat, ok)
 
     @staticmethod
     async def _rejoined(previous: asyncio.Task | None,

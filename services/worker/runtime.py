@@ -42,6 +42,7 @@ from services.worker.request_waiters import RequestWaiters
 from services.worker.residency import ModelLoadError, ModelMemoryExhausted, ModelRecord, ResidentModels
 from services.worker.served_model import ServedModel, free_memory
 from services.worker.stats import policy_attributes, record_policy, residency_to_pb, update_metrics, worker_stats
+from services.worker.store_renewal import StoreRenewal
 from services.worker.token_streams import RequestStreams
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
@@ -80,11 +81,13 @@ class WorkerIdentity:
 class WorkerRuntime:
     """Call order: await start() -> ... -> await stop().
 
-    The worker registers with, heartbeats to and reports its requests' starts and ends to every
-    scheduler replica (`schedulers`): any of them may place a request here and must see it end,
-    and each must keep listing it when another dies. Its prefix-cache changes go to the first one
-    (the replicas share the index through the store). With no scheduler channel (standalone, for
-    tests and benchmarks) nothing is registered or reported; the worker still serves its RPCs.
+    The worker registers with and heartbeats to every scheduler replica (`schedulers`): any of them
+    may place a request here, and each must keep listing it when another dies; one of them writes
+    each heartbeat to the store they share (store_renewal.py). A request's start and end go to the
+    replica that placed it (services/common/placer.py), or to every one when the worker cannot tell
+    which. Its prefix-cache changes go to the first one (the replicas share the index through the
+    store). With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
+    reported; the worker still serves its RPCs.
     """
 
     def __init__(
@@ -139,10 +142,12 @@ class WorkerRuntime:
         for name in dict.fromkeys((self.identity.model, *self.plan.preloaded, *self.plan.pinned)):
             await self.models.load(name, pin=name in self.plan.pinned)
         self.block_size = self.info().block_size
+        renewal = StoreRenewal(self.worker_id, len(self._schedulers))
         self.registrations = [Registration(channel, self.info(), self.load, self._metadata,
                                            functools.partial(self._on_reregistered, reporter), self.apply_policy,
-                                           self._on_forgotten)
-                              for channel, reporter in zip(self._schedulers, self.reporters, strict=True)]
+                                           self._on_forgotten, renewal=(renewal, seat))
+                              for seat, (channel, reporter) in enumerate(zip(self._schedulers, self.reporters,
+                                                                             strict=True))]
         if not self.registrations:
             return
         responses = await asyncio.gather(*(registration.register() for registration in self.registrations))
@@ -243,7 +248,7 @@ class WorkerRuntime:
         await served.loop.stop()
         self._retired = self._retired.plus(served.loop.snapshot.counters)
         self.blocks.drop(name)
-        self._report(None, blocks_wait_s=0.0)
+        self._report(None, (), blocks_wait_s=0.0)
         device = served.engine.config.device
         del served
         free_memory(device)
@@ -310,9 +315,10 @@ class WorkerRuntime:
         event has not gone out: also one the engine finished meanwhile (its final event would no longer
         be reported), and one a handler awaits (a Prefill call answers an abort with FINISH_REASON_ABORT,
         which the scheduler leaves to whoever aborted it)."""
+        placers = {rid: tracked.placer for rid in request_ids if (tracked := self.batcher.requests.get(rid))}
         batch = self.batcher.dropped(request_ids, why)
         if batch is not None:
-            self._report(batch)
+            self._report(batch, tuple(placers.get(event.request_id, "") for event in batch.events))
 
     def _drop_handlers(self, request_ids: list[str], reason: str) -> list[str]:
         """Ends what the requests' handlers await, their streams and spans; returns those awaited."""
@@ -341,7 +347,7 @@ class WorkerRuntime:
         produced = self.batcher.batch(step)
         for event in produced.events:
             self.streams.push(event)
-        self._report(produced.report)
+        self._report(produced.report, produced.placers)
         served = self.models.resident(model)
         if self.metrics is not None and served is not None:
             update_metrics(self.metrics, self._snapshot(), step.snapshot.counters.since(served.reported),
@@ -395,25 +401,43 @@ class WorkerRuntime:
             self.metrics.batch_policy("step_margin_ms").set(target.margin_ms)
         return target
 
-    def _report(self, report: scheduler_pb2.TokenBatch | None, blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
-        """A step's batch (None: the step started and ended nothing) to every scheduler, with the
-        pending prefix-cache changes on the first one's, which takes the block reports. Changes
-        with no batch to ride wait up to `blocks_wait_s` for one, then go alone; a prefill worker's
-        go by ReportBlocks, and so do all while a full resend is due."""
-        primary = report if report is not None and len(self.reporters) == 1 else scheduler_pb2.TokenBatch()
+    def _report(self, report: scheduler_pb2.TokenBatch | None, placers: Sequence[str] = (),
+                blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
+        """A step's batch (None: the step started and ended nothing), each event to the scheduler that
+        placed its request (`placers`, in the events' order; one not known here, to every scheduler),
+        with the pending prefix-cache changes on the first scheduler's, which takes the block reports.
+        Changes with no batch to ride wait up to `blocks_wait_s` for one, then go alone; a prefill
+        worker's go by ReportBlocks, and so do all while a full resend is due."""
+        batches = self._per_scheduler(report, placers)
+        first = batches[0] if batches else None
+        carrier = first if first is not None else scheduler_pb2.TokenBatch()
         if not (self.reporters and self._blocks_on_stream):
             self.blocks.flush_soon()
-            primary = report
-        elif self.blocks.attach(primary, 0.0 if report is not None else blocks_wait_s):
-            if primary is not report and report is not None:
-                primary.MergeFrom(report)
+        elif self.blocks.attach(carrier, 0.0 if first is not None else blocks_wait_s):
+            batches[0] = carrier
         else:
             self.blocks.resend_soon()
-            primary = report
-        for reporter in self.reporters:
-            batch = primary if reporter is self.reporters[0] else report
+        for reporter, batch in zip(self.reporters, batches, strict=True):
             if batch is not None:
                 reporter.send(batch)
+
+    def _per_scheduler(self, report: scheduler_pb2.TokenBatch | None,
+                       placers: Sequence[str]) -> list[scheduler_pb2.TokenBatch | None]:
+        """The report's events split by the scheduler to send them to, one batch (or None) per reporter:
+        the first one's batch is its own object (the block changes ride it); with one scheduler, all."""
+        if report is None or len(self.reporters) <= 1:
+            return [report] * len(self.reporters)
+        ids = [registration.response.scheduler_id if registration.response is not None else ""
+               for registration in self.registrations]
+        split: list[scheduler_pb2.TokenBatch | None] = [None] * len(self.reporters)
+        for index, event in enumerate(report.events):
+            placer = placers[index] if index < len(placers) else ""
+            targets = [ids.index(placer)] if placer and placer in ids else range(len(split))
+            for target in targets:
+                if split[target] is None:
+                    split[target] = scheduler_pb2.TokenBatch(iteration=report.iteration, batch_size=report.batch_size)
+                split[target].events.append(event)
+        return split
 
     def _on_failure(self, exc: BaseException) -> None:
         log.error("the engine failed (%s: %s); this worker stops", type(exc).__name__, exc)
