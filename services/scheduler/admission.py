@@ -28,6 +28,10 @@ class TicketState(IntEnum):
     LEFT = 2
 
 
+def _never() -> bool:
+    return False
+
+
 def _new_turn() -> asyncio.Future[bool]:
     return asyncio.get_running_loop().create_future()
 
@@ -83,6 +87,8 @@ class Admission:
             self.running -= 1
             self._drain.record()
         ticket.state = TicketState.LEFT
+        ticket.ready = _never  # drops the request's readiness check, which refers back to the request: no
+        # cycle is left for the garbage collector to find (one per request, each holding its state and span)
         self.grant()
 
     def grant(self) -> None:

@@ -4,6 +4,9 @@ without a trace. The drain-rate estimator runs on an injected clock."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import grpc
 import pytest
 
@@ -104,6 +107,32 @@ async def test_the_retry_hint_follows_the_drain_rate() -> None:
         admission.enter("refused")
     # (2 waiting + 1) / 0.5 per second
     assert refused.value.trailing_metadata() == (("retry-after", "6"), ("retry-after-ms", "6000"))
+
+
+async def test_a_ticket_that_left_frees_its_request_without_the_garbage_collector() -> None:
+    """The readiness check refers back to its request, which holds the ticket: after leave() nothing
+    of that cycle is left, so the request is freed at once (as the scheduler's states are, one per request)."""
+
+    class Request:
+        ticket: Ticket | None = None
+
+    admission = Admission(max_queue=2, capacity=lambda: 1)
+    gc.disable()
+    try:
+        for leaves_waiting in (False, True):
+            blocker = admission.enter("blocker") if leaves_waiting else None
+            request = Request()
+            request.ticket = admission.enter("r", lambda request=request: request is not None)
+            assert request.ticket.state is (TicketState.WAITING if leaves_waiting else TicketState.RUNNING)
+            freed = weakref.ref(request)
+            admission.leave(request.ticket)
+            del request
+            assert freed() is None
+            if blocker is not None:
+                admission.leave(blocker)
+    finally:
+        gc.enable()
+    assert (admission.running, admission.waiting) == (0, 0)
 
 
 def test_drain_rate_counts_the_sliding_window_only() -> None:
