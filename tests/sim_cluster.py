@@ -15,6 +15,7 @@ import secrets
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,20 +84,22 @@ class SimCluster:
 
     @classmethod
     def start(cls, run_dir: Path, sims: list[SimSpec], *, redis_url: str | None = None, schedulers: int = 1,
-              scheduler_flags: tuple[str, ...] = (), model: Path | None = None) -> SimCluster:
+              scheduler_flags: tuple[str, ...] = (), model: Path | None = None,
+              dial: Callable[[str], str] = lambda address: address) -> SimCluster:
+        """`dial(scheduler_address)`: the address the workers dial for it (a test may put a relay between)."""
         if schedulers < 1 or (schedulers > 1 and not redis_url):
             raise ValueError(f"schedulers={schedulers}: give 1, or several with a redis_url (replicas share "
                              "their state through Redis; the embedded store is one process's)")
         cluster = cls(run_dir)
         try:
-            cluster._start(sims, redis_url, scheduler_flags, model, schedulers)
+            cluster._start(sims, redis_url, scheduler_flags, model, schedulers, dial)
         except BaseException:
             cluster.stop()
             raise
         return cluster
 
     def _start(self, sims: list[SimSpec], redis_url: str | None, scheduler_flags: tuple[str, ...],
-               model: Path | None, schedulers: int) -> None:
+               model: Path | None, schedulers: int, dial: Callable[[str], str]) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ports = [_free_port() for _ in range(schedulers)]
         self.schedulers = [f"127.0.0.1:{port}" for port in ports]
@@ -104,7 +107,8 @@ class SimCluster:
         self._tier([self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port, flags)
                     for i, port in enumerate(ports)])
         model_flags = ["--model", str(model)] if model else []
-        self._tier([self._sim(f"sim-{i}", spec, model_flags) for i, spec in enumerate(sims)])
+        dialled = [dial(address) for address in self.schedulers]
+        self._tier([self._sim(f"sim-{i}", spec, model_flags, dialled) for i, spec in enumerate(sims)])
         for name, child in self.children.items():
             if name.startswith("sim-"):
                 self.workers.update((m["id"], m["address"]) for m in _WORKER_LINE.finditer(child.log_path.read_text()))
@@ -117,9 +121,9 @@ class SimCluster:
         address = f"127.0.0.1:{port}"
         return self._child(name, [command, "--port", str(port), *flags], lambda: _serving(address))
 
-    def _sim(self, name: str, spec: SimSpec, model_flags: list[str]) -> Child:
+    def _sim(self, name: str, spec: SimSpec, model_flags: list[str], schedulers: list[str]) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        argv = ["sim-worker", "--scheduler", ",".join(self.schedulers), *spec.flags(), *model_flags]
+        argv = ["sim-worker", "--scheduler", ",".join(schedulers), *spec.flags(), *model_flags]
         return self._child(name, argv, lambda: _printed_ready(log_path))
 
     def _child(self, name: str, argv: list[str], ready) -> Child:

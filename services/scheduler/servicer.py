@@ -129,9 +129,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ProvisionModelResponse(
             worker_ids=await loads.provision(request.model, request.replicas or 1))
 
-    async def ReportTokens(self, request_iterator: AsyncIterator[scheduler_pb2.TokenBatch],
-                           context) -> scheduler_pb2.ReportAck:
-        return scheduler_pb2.ReportAck(batches=await self._dispatcher.streams.consume(request_iterator))
+    async def ReportTokens(self, request_iterator: AsyncIterator[scheduler_pb2.TokenBatch], context) -> None:
+        await self._dispatcher.streams.consume(request_iterator, context.write)
 
 
 def _step_cost(load: scheduler_pb2.WorkerLoad) -> StepCost | None:

@@ -5,7 +5,13 @@ events, in the stream's order, so a block report costs no call of its own). A wo
 be seen to end, and `on_closed(worker_id, reason)` ends their attempts and drops the worker. A worker that
 reconnects before its old stream's end is seen keeps its worker, and so does one whose id a stray
 stream also names: the stray's end means nothing while the real stream is open. (A killed or
-cancelled worker's stream may end cleanly or with an error: both mean the same here.)"""
+cancelled worker's stream may end cleanly or with an error: both mean the same here.)
+
+A batch that carries a final event is numbered (TokenBatch.sequence) and acknowledged once applied
+(report_acks.py); the worker resends those not acknowledged at the head of its next stream, so a
+stream that broke on the worker's side only (this one still open) loses no request's end. A final
+event for a request that has ended already is a no-op (Dispatcher.on_token_batch), so a resend is
+applied at most once."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.common.block_hash import BlockHash
+from services.scheduler.report_acks import StreamAcks, WriteAck
 from tandem.v1 import scheduler_pb2
 
 OnBlocks = Callable[[str, list[BlockHash], list[BlockHash]], Awaitable[None]]
@@ -32,10 +39,12 @@ class TokenStreams:
     def is_open(self, worker_id: str) -> bool:
         return self._open[worker_id] > 0
 
-    async def consume(self, batches: AsyncIterator[scheduler_pb2.TokenBatch]) -> int:
-        """Feed one stream's batches to on_batch until it ends; returns how many arrived."""
+    async def consume(self, batches: AsyncIterator[scheduler_pb2.TokenBatch], write_ack: WriteAck | None = None) -> int:
+        """Feed one stream's batches to on_batch until it ends, acknowledging the numbered ones with
+        `write_ack` (None: the caller reads no acks); returns how many arrived."""
         worker_id: str | None = None
         count = 0
+        acks = StreamAcks(write_ack) if write_ack is not None else None
         try:
             async for batch in batches:
                 count += 1
@@ -48,7 +57,11 @@ class TokenStreams:
                     await self._on_blocks(worker_id, [BlockHash(h) for h in batch.stored_blocks],
                                           [BlockHash(h) for h in batch.evicted_blocks])
                 self._on_batch(worker_id, batch)
+                if acks is not None:
+                    acks.applied(batch.sequence, count)
         finally:
+            if acks is not None:
+                await acks.close()
             if worker_id is not None:
                 self._open[worker_id] -= 1
                 if self._open[worker_id] == 0:

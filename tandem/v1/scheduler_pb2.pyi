@@ -413,23 +413,27 @@ class ReportBlocksResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("worker_id", "iteration", "events", "batch_size", "stored_blocks", "evicted_blocks")
+    __slots__ = ("worker_id", "iteration", "events", "batch_size", "stored_blocks", "evicted_blocks", "sequence")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
     batch_size: int
     stored_blocks: _containers.RepeatedScalarFieldContainer[str]
     evicted_blocks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., batch_size: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[str]] = ..., evicted_blocks: _Optional[_Iterable[str]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., batch_size: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[str]] = ..., evicted_blocks: _Optional[_Iterable[str]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class ReportAck(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "applied_through")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     batches: int
-    def __init__(self, batches: _Optional[int] = ...) -> None: ...
+    applied_through: int
+    def __init__(self, batches: _Optional[int] = ..., applied_through: _Optional[int] = ...) -> None: ...

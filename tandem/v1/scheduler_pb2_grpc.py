@@ -83,7 +83,7 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.ReportBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.ReportBlocksResponse.FromString,
                 _registered_method=True)
-        self.ReportTokens = channel.stream_unary(
+        self.ReportTokens = channel.stream_stream(
                 '/tandem.v1.SchedulerService/ReportTokens',
                 request_serializer=tandem_dot_v1_dot_scheduler__pb2.TokenBatch.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_scheduler__pb2.ReportAck.FromString,
@@ -196,7 +196,13 @@ class SchedulerServiceServicer:
         """Worker -> scheduler: one long-lived stream per worker; each message holds,
         for one engine iteration, the first and the final event of its requests
         that started or ended in it (never the tokens in between: those go to the
-        gateway on TokenStreamService.Follow).
+        gateway on TokenStreamService.Follow). Final events are delivered at least
+        once and applied at most once: a batch that carries one is numbered
+        (TokenBatch.sequence), the scheduler acknowledges what it applied
+        (ReportAck, cumulative, only when something new was, a few a second at
+        most), and the worker resends the unacknowledged ones first on its next
+        stream; a final event for a request that ended already changes nothing.
+        Bidirectional since the acks (it returned one ReportAck at its end).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,7 +267,7 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.ReportBlocksRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.ReportBlocksResponse.SerializeToString,
             ),
-            'ReportTokens': grpc.stream_unary_rpc_method_handler(
+            'ReportTokens': grpc.stream_stream_rpc_method_handler(
                     servicer.ReportTokens,
                     request_deserializer=tandem_dot_v1_dot_scheduler__pb2.TokenBatch.FromString,
                     response_serializer=tandem_dot_v1_dot_scheduler__pb2.ReportAck.SerializeToString,
@@ -539,7 +545,7 @@ class SchedulerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/tandem.v1.SchedulerService/ReportTokens',

@@ -87,7 +87,7 @@ SCHEDULER_RPCS = [
         scheduler_pb2.DeregisterWorkerRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "ReportBlocks", scheduler_pb2.ReportBlocksRequest.DESCRIPTOR),
     Rpc(scheduler_pb2_grpc.SchedulerServiceStub, "ReportTokens", scheduler_pb2.TokenBatch.DESCRIPTOR,
-        client_streaming=True),
+        client_streaming=True, server_streaming=True),
 ]
 PREFILL_RPCS = [
     Rpc(worker_pb2_grpc.PrefillServiceStub, "Prefill", worker_pb2.PrefillRequest.DESCRIPTOR),

@@ -88,11 +88,13 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ReportBlocksResponse()
 
     def ReportTokens(self, request_iterator, context):
+        """Records each batch; acks each numbered one once recorded, as the scheduler does."""
         count = 0
         for batch in request_iterator:
             count += 1
             self._record(lambda: self._take(batch))
-        return scheduler_pb2.ReportAck(batches=count)
+            if batch.sequence:
+                yield scheduler_pb2.ReportAck(batches=count, applied_through=batch.sequence)
 
     def _take(self, batch: scheduler_pb2.TokenBatch) -> None:
         """A batch's prefix-cache changes count as a block report, in the order they arrived."""

@@ -25,11 +25,13 @@ from services.common.errors import (
     Unavailable, error_from_rpc,
 )
 from services.common.grpc_server import GrpcServer, create_server, propagated_metadata, remaining_timeout
-from tandem.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tandem.v1 import (gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2,
+                       scheduler_pb2_grpc)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GENERATE = "tandem.v1.GenerateService"
 SCHEDULER = "tandem.v1.SchedulerService"
+KV_TRANSFER = "tandem.v1.KvTransferService"
 
 ERRORS: dict[str, TandemError] = {
     "invalid": InvalidRequest("sampling.temperature", "must be >= 0, got -1"),
@@ -80,7 +82,7 @@ class ToyGenerate(gateway_pb2_grpc.GenerateServiceServicer):
 
 
 class ToyScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """ReportTokens (client streaming) rejects a batch without a worker id."""
+    """ReportTokens (bidirectional) rejects a batch without a worker id; it acks once, at the end."""
 
     async def ReportTokens(self, request_iterator, context):
         batches = 0
@@ -88,13 +90,26 @@ class ToyScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             if not batch.worker_id:
                 raise InvalidRequest("worker_id", "required on every batch")
             batches += 1
-        return scheduler_pb2.ReportAck(batches=batches)
+        yield scheduler_pb2.ReportAck(batches=batches)
+
+
+class ToyKvTransfer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
+    """Push (client streaming) rejects a chunk without a request id."""
+
+    async def Push(self, request_iterator, context):
+        chunks = 0
+        async for chunk in request_iterator:
+            if not chunk.request_id:
+                raise InvalidRequest("request_id", "required on every chunk")
+            chunks += 1
+        return kv_transfer_pb2.PushAck(chunks=chunks)
 
 
 async def _started(**kwargs) -> GrpcServer:
     server = create_server("127.0.0.1", 0, **kwargs)
     server.add_service(GENERATE, gateway_pb2_grpc.add_GenerateServiceServicer_to_server, ToyGenerate())
     server.add_service(SCHEDULER, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, ToyScheduler())
+    server.add_service(KV_TRANSFER, kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server, ToyKvTransfer())
     await server.start()
     return server
 
@@ -141,7 +156,8 @@ async def test_reflection_lists_every_service(channel: grpc.aio.Channel) -> None
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     responses = [r async for r in stub.ServerReflectionInfo(iter([request]))]
     names = sorted(s.name for s in responses[0].list_services_response.service)
-    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", GENERATE, SCHEDULER]
+    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", GENERATE, KV_TRANSFER,
+                     SCHEDULER]
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))
@@ -192,11 +208,22 @@ async def test_invalid_request_round_trips_with_its_field(channel: grpc.aio.Chan
 
 
 async def test_client_streaming_errors_are_mapped(channel: grpc.aio.Channel) -> None:
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    ok = await stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="w")] * 3))
-    assert ok.batches == 3
+    stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
+    ok = await stub.Push(iter([kv_transfer_pb2.KvChunk(request_id="r")] * 3))
+    assert ok.chunks == 3
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="w"), scheduler_pb2.TokenBatch()]))
+        await stub.Push(iter([kv_transfer_pb2.KvChunk(request_id="r"), kv_transfer_pb2.KvChunk()]))
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request_id: required on every chunk")
+
+
+async def test_bidirectional_streaming_errors_are_mapped(channel: grpc.aio.Channel) -> None:
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    ok = [ack async for ack in stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="w")] * 3))]
+    assert [ack.batches for ack in ok] == [3]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [ack async for ack in stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="w"),
+                                                       scheduler_pb2.TokenBatch()]))]
     assert (caught.value.code(), caught.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "worker_id: required on every batch")
 
@@ -211,9 +238,9 @@ async def test_bytes_that_do_not_parse_are_invalid_argument(channel: grpc.aio.Ch
         [message async for message in generate(b"\x00")]
     assert (caught.value.code(), caught.value.details()) == (
         UNDECODABLE[0], UNDECODABLE[1].format("tandem.v1.GenerateRequest"))
-    report = channel.stream_unary(f"/{SCHEDULER}/ReportTokens")
+    report = channel.stream_stream(f"/{SCHEDULER}/ReportTokens")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await report(iter([scheduler_pb2.TokenBatch(worker_id="w").SerializeToString(), b"\x00"]))
+        [ack async for ack in report(iter([scheduler_pb2.TokenBatch(worker_id="w").SerializeToString(), b"\x00"]))]
     assert (caught.value.code(), caught.value.details()) == (
         UNDECODABLE[0], UNDECODABLE[1].format("tandem.v1.TokenBatch"))
 
@@ -261,10 +288,12 @@ async def test_internal_token_guards_internal_services() -> None:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             batches = [scheduler_pb2.TokenBatch(worker_id="w")]
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.ReportTokens(iter(batches), metadata=(("x-tandem-internal-token", "wrong"),))
+                [ack async for ack in stub.ReportTokens(iter(batches),
+                                                        metadata=(("x-tandem-internal-token", "wrong"),))]
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            ack = await stub.ReportTokens(iter(batches), metadata=(("x-tandem-internal-token", "s3cret"),))
-            assert ack.batches == 1
+            acks = [ack async for ack in stub.ReportTokens(iter(batches),
+                                                            metadata=(("x-tandem-internal-token", "s3cret"),))]
+            assert [ack.batches for ack in acks] == [1]
     finally:
         await server.stop(0)
 

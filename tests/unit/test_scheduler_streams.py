@@ -1,6 +1,7 @@
 """The scheduler's ReportTokens streams: a worker is lost when the last of its open streams ends,
 so a stray stream naming a live worker's id can neither take its worker's requests down nor hide
-the real stream's batches; a batch's prefix-cache changes are applied before its events, in order."""
+the real stream's batches; a batch's prefix-cache changes are applied before its events, in order;
+numbered batches are acknowledged once applied, cumulatively, only when one more was."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ class Stream:
         self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
 
     def send(self, worker_id: str, request_id: str = "", stored: tuple[str, ...] = (),
-             evicted: tuple[str, ...] = ()) -> None:
+             evicted: tuple[str, ...] = (), sequence: int = 0) -> None:
         events = [scheduler_pb2.TokenEvent(request_id=request_id)] if request_id else []
         self._queue.put_nowait(scheduler_pb2.TokenBatch(worker_id=worker_id, events=events, stored_blocks=stored,
-                                                        evicted_blocks=evicted))
+                                                        evicted_blocks=evicted, sequence=sequence))
 
     def end(self) -> None:
         self._queue.put_nowait(None)
@@ -105,3 +106,27 @@ async def test_a_batchs_block_changes_are_applied_before_its_events_and_a_batch_
     assert await seen.streams.consume(stream.batches()) == 4
     assert seen.seen == [("blocks", "d-0", f"{'a' * 32},{'b' * 32}", ""), ("event", "d-0", "r1"),
                          ("blocks", "d-0", "c" * 32, "a" * 32), ("event", "d-0", "r2")]
+
+
+async def test_numbered_batches_are_acked_once_applied_cumulatively_and_only_when_one_more_was() -> None:
+    seen = Recorder()
+    stream = Stream()
+    acks: list[tuple[int, int, list[tuple[str, str]]]] = []  # (batches, applied_through, what was applied then)
+
+    async def write_ack(ack: scheduler_pb2.ReportAck) -> None:
+        acks.append((ack.batches, ack.applied_through, list(seen.batches)))
+
+    task = asyncio.create_task(seen.streams.consume(stream.batches(), write_ack))
+    stream.send("d-0")
+    stream.send("d-0", "r1", sequence=1)
+    await eventually(lambda: acks, "the first ack")
+    stream.send("d-0", "r2")  # unnumbered: no ack of its own
+    stream.send("d-0", "r3", sequence=2)
+    stream.send("d-0", "r4", sequence=3)  # applied in the same turn as 2: one ack covers both
+    await eventually(lambda: len(acks) == 2, "the second ack")
+    stream.send("d-0", "r1", sequence=1)  # a resend already covered: no ack
+    stream.send("d-0", "r5")
+    stream.end()
+    assert await task == 7
+    applied = [("d-0", f"r{i}") for i in (1, 2, 3, 4)]
+    assert acks == [(2, 1, applied[:1]), (5, 3, applied)]
