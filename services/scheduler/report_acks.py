@@ -3,8 +3,9 @@ carrying a final event) the scheduler has applied, so the worker can stop keepin
 
 An ack is cumulative (`applied_through`: every numbered batch up to it that came on this stream is
 applied) and sent only when something new was applied, at most once per ACK_INTERVAL_S: a worker
-that finishes a request every iteration costs a few acks a second, not one a batch. An ack sent
-late or lost costs only a resend, which the scheduler applies as a no-op.
+that finishes requests all the time costs one ack a second, not one a request (scheduler CPU per
+request is what the control plane is measured by). An ack sent late or lost costs only a resend of
+what it covered, which the scheduler applies as a no-op.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tandem.v1 import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-ACK_INTERVAL_S = 0.05
+ACK_INTERVAL_S = 1.0
 
 WriteAck = Callable[[scheduler_pb2.ReportAck], Awaitable[None]]
 
