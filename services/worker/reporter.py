@@ -72,7 +72,7 @@ class TokenReporter:
         self.send(scheduler_pb2.TokenBatch())
 
     async def stop(self, timeout: float = 2.0) -> None:
-        """Flush what is queued, half-close the stream and wait (at most `timeout`) for the ack."""
+        """Flush what is queued, half-close the stream and wait (at most `timeout`) for its end."""
         if self._task is None:
             return
         self._closing = True
