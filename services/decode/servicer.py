@@ -194,7 +194,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
             span.set_attribute(Attr.KV_REUSED_BLOCKS, reservation.reused_blocks)
             try:
                 admitted = not reservation.cancelled and await self._admit(reservation, received.header, params,
-                                                                           seconds)
+                                                                           seconds, received.started)
             finally:  # unmapped once the request is admitted, off the event loop: 1-13 ms for 50 MB
                 if segment is not None:
                     await asyncio.to_thread(segment.close)
@@ -299,8 +299,9 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
         received.blocks = max(received.blocks, message.first_block + message.num_blocks - reservation.reused_blocks)
 
     async def _admit(self, reservation: Reservation, header: kv_transfer_pb2.KvRequestHeader,
-                     params: SamplingParams, seconds: float) -> bool:
-        """Hands the request to the engine for the next iteration; False if it was aborted meanwhile."""
+                     params: SamplingParams, seconds: float, arrived_at: float) -> bool:
+        """Hands the request to the engine for the next iteration, whose step ends within the first-gap
+        budget of `arrived_at` (time.monotonic() when its first token arrived); False if it was aborted meanwhile."""
         rid = reservation.request_id
         timings = common_pb2.RequestTimings()
         timings.CopyFrom(header.timings)
@@ -319,7 +320,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeServiceServicer,
                 raise KeyError(f"request {rid!r} has no reserved blocks any more")
             await served.loop.call(lambda engine: served.handoff.admit(
                 rid, list(header.prompt_token_ids), list(header.output_token_ids), params, header.seed,
-                header.cache_salt, header.lora))
+                header.cache_salt, header.lora, arrived_at))
         except (KeyError, ValueError) as exc:  # aborted between the last chunk and here
             self.runtime.forget(rid)
             self.runtime.spans.end(rid, "abort")

@@ -12,14 +12,23 @@ largest step the model was fitted on (past that the fit is an extrapolation); an
 sequence is admitted only while the decodes' steps, its own included, leave `min_prefill_tokens`
 of room (so the running set is sized from actual contexts, not a typical one). A step without
 decodes gives prompts at least that minimum, so they always progress; a step whose decodes fill the
-target gives them nothing, since a minimum chunk deep in a long prompt cost as much as the whole
-target. When a running sequence needs a block and none is free, the most recently admitted running
+target gives new prompts nothing, since a minimum chunk deep in a long prompt cost as much as the whole
+target, but a prompt already under way keeps `StepTarget.floor_ms` of prompt time while the step
+stays within the first-gap budget below (on a hybrid decode worker, which aims under that budget, a
+prompt placed there is never starved by the decodes that arrive from the prefill worker). A sequence whose KV was imported (its first token sampled on a prefill worker) waits for
+the step in progress and then its own first decode step: while a KV import is under way, prompt chunks
+leave room for the step that will admit it (the hand-off's allowance and that step's predicted decodes
+within the first-gap budget, `StepTarget.gap_ms`), and the step that decodes its first token ends
+within that budget of its arrival; so its first gap, which the client sees, stays within the ITL
+target like every other. When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted: its blocks are released and it waits at the head of the queue to be
 recomputed (its tokens so far become its prompt for the KV).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +63,10 @@ class SchedulerLimits:
 # on: the first fit, over steps of the 41-token minimum chunk, priced a 267-token step at 183 ms and it
 # took 409 (the precision's kernels change with the row count, which a linear fit of small steps misses).
 TRUSTED_GROWTH = 2
+# What an imported sequence's hand-off takes from its first token's arrival here to the step boundary that
+# admits it (its last layers read from shared memory and the engine call queued): 5-20 ms from the prefill
+# worker's first token to the admission call in traced c16-long runs on the 2-core AMD EPYC.
+HANDOFF_ALLOWANCE_MS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +76,36 @@ class StepTarget:
     steps of at most `max_step_tokens` tokens (None: the token budget alone). A sequence is admitted while
     the decodes' steps, its own included, leave `min_prefill_tokens` room, and a step without decodes
     gives prompts at least that many. Without a cost model yet (a fresh worker) prompts get only the
-    minimum, and admission only the caps."""
+    minimum, and admission only the caps. `gap_ms` (None: `step_ms`) is the first-gap budget of an
+    imported sequence: from its first token's arrival, through the step in progress, to the end of the
+    step that decodes its next token (the ITL target less the delivery's headroom)."""
 
     step_ms: float
     min_prefill_tokens: int
     cost: StepCost | None
     margin_ms: float = 0.0
     max_step_tokens: int | None = None
+    gap_ms: float | None = None
+
+    @property
+    def margin_used_ms(self) -> float:
+        return min(self.margin_ms, self.step_ms / 2)
 
     @property
     def sizing_ms(self) -> float:
-        return self.step_ms - min(self.margin_ms, self.step_ms / 2)
+        return self.step_ms - self.margin_used_ms
+
+    @property
+    def floor_ms(self) -> float:
+        """The prompt time a step keeps for a prompt under way however long its decodes, within the
+        first-gap budget: that budget's excess over the aimed step (0 where they are one, as on a
+        colocated worker)."""
+        return 0.0 if self.gap_ms is None else max(0.0, self.gap_ms - self.step_ms)
+
+    @property
+    def gap_sizing_ms(self) -> float:
+        """The first-gap budget less the same margin."""
+        return (self.step_ms if self.gap_ms is None else self.gap_ms) - self.margin_used_ms
 
     @classmethod
     def of(cls, itl_ms: float, min_prefill_tokens: int, steps: StepCostFit,
@@ -87,7 +119,7 @@ class StepTarget:
         if fit is None or (fit.per_token_ms <= 0 and fit.per_context_token_ms <= 0):
             return cls(step_ms, min_prefill_tokens, None)
         return cls(step_ms, min_prefill_tokens, fit, steps.overrun_ms(fit),
-                   TRUSTED_GROWTH * steps.largest_step_tokens())
+                   TRUSTED_GROWTH * steps.largest_step_tokens(), max(step_ms, aimed_step_ms(itl_ms, STEP_HEADROOM)))
 
 
 @dataclass(slots=True)
@@ -101,6 +133,7 @@ class PromptTime:
     left_ms: float
     left_tokens: int | None
     floor_tokens: int
+    admit_ms: float | None = None  # the step a sequence's admission is judged against (None: the sizing time)
 
     def room(self, start: int) -> int:
         """Prompt tokens from position `start` this step still has room for."""
@@ -123,9 +156,11 @@ class PromptTime:
         if cost is None:
             return True
         decodes_ms = self.decodes_ms + cost.decode_ms(context_tokens)
-        return cost.fixed_ms + decodes_ms + cost.chunk_ms(0, self.target.min_prefill_tokens) <= self.target.sizing_ms
+        limit_ms = self.target.sizing_ms if self.admit_ms is None else self.admit_ms
+        return cost.fixed_ms + decodes_ms + cost.chunk_ms(0, self.target.min_prefill_tokens) <= limit_ms
 
     def admit(self, context_tokens: int) -> None:
+        self.admit_ms = None  # one prompt under way at a time takes the floor
         if self.target.cost is not None:
             self.decodes_ms += self.target.cost.decode_ms(context_tokens)
 
@@ -142,16 +177,25 @@ class IterationScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.target: StepTarget | None = None  # set by the worker from the scheduler's policy and its cost fit
+        # The KV entries each imported sequence on its way here will decode from (the KV hand-off sets it).
+        self.incoming: Callable[[], list[int]] = list
+        self.clock: Callable[[], float] = time.monotonic
+        self._arrivals: dict[str, float] = {}  # imported, first decode not yet scheduled: request id -> clock()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose KV is already in its blocks (imported); it decodes from the next step."""
+    def add_running(self, seq: Sequence, arrived_at: float | None = None) -> None:
+        """A sequence whose KV is already in its blocks (imported); it decodes from the next step.
+        `arrived_at` (`clock()` time): when its first token reached this worker, the start of the gap to
+        its next token, which the step that decodes it keeps within the first-gap budget."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if arrived_at is not None:
+            self._arrivals[seq.request_id] = arrived_at
 
     def remove(self, seq: Sequence) -> None:
+        self._arrivals.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -186,6 +230,8 @@ class IterationScheduler:
             self.running.append(chunk.seq)
             chunks.append(chunk)
             budget -= chunk.num_new_tokens
+        for chunk in chunks:
+            self._arrivals.pop(chunk.seq.request_id, None)
         return chunks
 
     def _prompt_time(self) -> PromptTime | None:
@@ -200,8 +246,30 @@ class IterationScheduler:
         decodes = [seq.num_tokens for seq in self.running if seq.num_uncomputed_tokens == 1]
         decodes_ms = sum(target.cost.decode_ms(context) for context in decodes)
         left_tokens = None if target.max_step_tokens is None else max(0, target.max_step_tokens - len(decodes))
-        return PromptTime(target, decodes_ms, target.sizing_ms - target.cost.fixed_ms - decodes_ms, left_tokens,
-                          0 if decodes else target.min_prefill_tokens)
+        step_ms = target.sizing_ms
+        under_way = any(seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens > 1 for seq in self.running)
+        if under_way or self.waiting:
+            # A prompt under way, or the next one, is not starved by decodes that fill the aimed step: it may
+            # take the room between that step and the first-gap budget (a hybrid decode worker's 40 ms under 200).
+            step_ms = max(step_ms, min(target.gap_sizing_ms, target.cost.fixed_ms + decodes_ms + target.floor_ms))
+        step_ms = min(step_ms, self._first_gap_step_ms(target, target.cost, decodes_ms))
+        # With none under way, the next prompt is admitted while its steps stay within the first-gap budget.
+        return PromptTime(target, decodes_ms, step_ms - target.cost.fixed_ms - decodes_ms, left_tokens,
+                          0 if decodes else target.min_prefill_tokens, None if under_way else target.gap_sizing_ms)
+
+    def _first_gap_step_ms(self, target: StepTarget, cost: StepCost, decodes_ms: float) -> float:
+        """The longest this step may take for imported sequences' first gaps (inf: none is concerned).
+        One that arrived decodes its first token in it: the step ends within the first-gap budget of the
+        earliest arrival. While imports are under way, this step may be the one in progress when one
+        arrives: it leaves the hand-off's allowance and the next step (these decodes and the newcomers')."""
+        if self._arrivals:
+            waited_ms = (self.clock() - min(self._arrivals.values())) * 1000
+            return target.gap_sizing_ms - waited_ms
+        incoming = self.incoming()
+        if not incoming:
+            return math.inf
+        next_step_ms = cost.fixed_ms + decodes_ms + sum(cost.decode_ms(context) for context in incoming)
+        return target.gap_sizing_ms - HANDOFF_ALLOWANCE_MS - next_step_ms
 
     @staticmethod
     def _prompt_room(prompts: PromptTime | None, start: int) -> int:
@@ -265,6 +333,7 @@ class IterationScheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._arrivals.pop(seq.request_id, None)
         self.release_blocks(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -298,13 +298,14 @@ class Engine:
         self._forget(seq)
         return seq
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose KV is already in its blocks (imported) decodes from the next step on."""
+    def add_running(self, seq: Sequence, arrived_at: float | None = None) -> None:
+        """A sequence whose KV is already in its blocks (imported) decodes from the next step on;
+        `arrived_at`: when its first token reached this worker (the batch scheduler's clock)."""
         if seq.request_id in self._requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self._attach_grammar(seq)
         self._track(seq)
-        self.scheduler.add_running(seq)
+        self.scheduler.add_running(seq, arrived_at)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.blocks.block_size)

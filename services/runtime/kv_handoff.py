@@ -93,6 +93,7 @@ class KvHandoff:
         self._reservations: dict[str, Reservation] = {}
         self._exports: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, blocks shipped)
         self._streams: dict[str, LayerStream] = {}  # engine thread only
+        engine.scheduler.incoming = self.importing_contexts
 
     # -- the prefill side (engine thread) ---------------------------------------------------
 
@@ -212,10 +213,20 @@ class KvHandoff:
         reservation.received_bytes += len(chunk.data)
         return True
 
+    def importing_contexts(self) -> list[int]:
+        """The KV entries (at most) each request whose KV is being imported will decode from: the batch
+        scheduler leaves room for their first decode step. Any thread."""
+        block_size = self.engine.blocks.block_size
+        with self._lock:
+            return [len(r.block_ids) * block_size for r in self._reservations.values()
+                    if r.receiving and not r.cancelled]
+
     def admit(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-              params: SamplingParams, seed: int, salt: str = "", lora: str = "") -> None:
+              params: SamplingParams, seed: int, salt: str = "", lora: str = "",
+              arrived_at: float | None = None) -> None:
         """Starts decoding a request whose KV (all tokens but the last) was imported, from the next
-        step on. Engine thread; KeyError when its reservation is gone (cancelled meanwhile). When the
+        step on; `arrived_at` (time.monotonic()): when its first token arrived, the start of the gap its
+        first decode step ends. Engine thread; KeyError when its reservation is gone (cancelled meanwhile). When the
         engine refuses the sequence (an unknown adapter, a grammar it cannot compile) the reserved
         blocks go back to the pool before the error propagates."""
         with self._lock:
@@ -228,7 +239,7 @@ class KvHandoff:
         seq.block_table = reservation.block_ids
         seq.num_computed_tokens = seq.num_tokens - 1
         try:
-            self.engine.add_running(seq)
+            self.engine.add_running(seq, arrived_at)
         except BaseException:
             self.engine.blocks.release(reservation.block_ids)
             raise

@@ -191,3 +191,64 @@ def test_a_budget_of_one_chunk_prefills_prompts_in_arrival_order_the_next_one_in
             batches.remove(done)
     assert steps == [[("first", 8)], [("first", 8)], [("first", 4), ("second", 4)], [("second", 8)],
                      [("second", 8)], [("short", 5)]]
+
+
+def imported(batches: IterationScheduler, name: str, prompt_tokens: int) -> Sequence:
+    """A sequence whose prompt KV came from a prefill worker with its first token: it decodes next."""
+    arrived = seq(name, prompt_tokens)
+    arrived.token_ids.append(9)
+    arrived.num_computed_tokens = prompt_tokens
+    arrived.block_table = batches.blocks.allocate(-(-arrived.num_tokens // batches.blocks.block_size))
+    return arrived
+
+
+def test_the_step_that_decodes_an_imported_sequence_first_ends_within_the_gap_budget_of_its_arrival() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST, gap_ms=60.0)
+    batches.clock = lambda: 100.0
+    batches.add(seq("long", 80))
+    batches.add_running(imported(batches, "r", 7), arrived_at=99.97)  # its first token came 30 ms ago
+    # 60 - 30 ms = 30 ms for the step: 30 - 10 - (1.4 + 1.4 + 1.8 for the decodes) = 15.4 ms, 14 prompt tokens
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("r", 1), ("long", 14)]
+    # r's first gap is closed: the step target again, 50 - 10 - (1.5 + 1.5 + 1.9) = 35.1 ms, 27 tokens from 14
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("r", 1), ("long", 27)]
+
+
+def test_an_arrival_past_its_gap_budget_gets_a_step_of_decodes_alone() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST, gap_ms=60.0)
+    batches.clock = lambda: 100.0
+    batches.add(seq("long", 80))
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 31)]
+    batches.add_running(imported(batches, "r", 7), arrived_at=99.9)  # 100 ms ago: the budget is spent
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("r", 1)]
+
+
+def test_while_a_kv_import_is_under_way_a_step_leaves_room_for_the_hand_off_and_the_step_that_admits_it() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=50.0, min_prefill_tokens=4, cost=COST, gap_ms=60.0)
+    batches.incoming = lambda: [8]
+    batches.add(seq("long", 80))
+    # 60 - 10 (hand-off) - (10 + 2.8 + 1.8: the next step with the newcomer) = 35.4 ms for this step:
+    # 35.4 - 10 - 2.8 = 22.6 ms of prompt, 20 tokens (without the import: 31)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 20)]
+    batches.incoming = list
+    # 50 - 10 - 2 * 1.5 = 37 ms from position 20: 27 tokens (28 would take 37.66)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 27)]
+
+
+def test_decodes_that_fill_the_aimed_step_leave_a_prompt_the_first_gap_budgets_excess() -> None:
+    batches = with_two_decodes()
+    batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=4, cost=COST, gap_ms=22.0)
+    batches.add(seq("long", 80))
+    # 12 - 10 - 2.8 < 0 leaves no prompt time; with no prompt under way, long is admitted while its steps
+    # stay within the 22 ms budget: 10 + 2.8 + 9 (its decode from 80) + 4.06 (4 tokens) > 22, not yet
+    assert run(batches.schedule()) == [("a", 1), ("b", 1)]
+    batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=4, cost=COST, gap_ms=32.0)
+    # 10 + 3 + 9 + 4.06 <= 32: admitted; the step keeps 20 ms (32 - 12) of prompt time, 10 + 3 + 20 held
+    # to 32: 19 ms from position 0, 17 tokens (18 would take 19.71)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 17)]
+    # under way: 32 - 10 - 3.2 = 18.8 ms from position 17, 15 tokens (16 would take 20.08)
+    assert run(batches.schedule()) == [("a", 1), ("b", 1), ("long", 15)]
+    batches.target = StepTarget(step_ms=12.0, min_prefill_tokens=4, cost=COST)  # no budget beyond the step
+    assert run(batches.schedule()) == [("a", 1), ("b", 1)]
