@@ -2,10 +2,10 @@
 carrying a final event) the scheduler has applied, so the worker can stop keeping them for a resend.
 
 An ack is cumulative (`applied_through`: every numbered batch up to it that came on this stream is
-applied) and sent only when something new was applied, at most once per ACK_INTERVAL_S: a worker
-that finishes requests all the time costs one ack a second, not one a request (scheduler CPU per
-request is what the control plane is measured by). An ack sent late or lost costs only a resend of
-what it covered, which the scheduler applies as a no-op.
+applied) and sent only when something new was applied, at most once per ACK_INTERVAL_S: a stream
+costs at most one ack in that time however many requests it ends (scheduler CPU per request is
+what the control plane is measured by), and no ack while it ends none. An ack sent late or lost
+costs only a resend of what it covered (kept by the worker meanwhile), applied as a no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tandem.v1 import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-ACK_INTERVAL_S = 1.0
+ACK_INTERVAL_S = 5.0
 
 WriteAck = Callable[[scheduler_pb2.ReportAck], Awaitable[None]]
 

@@ -199,7 +199,7 @@ class SchedulerServiceServicer:
         gateway on TokenStreamService.Follow). Final events are delivered at least
         once and applied at most once: a batch that carries one is numbered
         (TokenBatch.sequence), the scheduler acknowledges what it applied
-        (ReportAck, cumulative, only when something new was, one a second at
+        (ReportAck, cumulative, only when something new was, one in 5 s at
         most), and the worker resends the unacknowledged ones first on its next
         stream; a final event for a request that ended already changes nothing.
         Bidirectional since the acks (it returned one ReportAck at its end).
