@@ -28,6 +28,7 @@ class FinalOutbox:
         self._max_unacked = max_unacked
         self._unacked: dict[int, scheduler_pb2.TokenBatch] = {}  # by number, oldest first
         self.last = 0  # the last number given
+        self._overflowing = False  # warned of forgetting since the last ack (a scheduler that never acks)
 
     def __len__(self) -> int:
         return len(self._unacked)
@@ -46,14 +47,17 @@ class FinalOutbox:
                                                             events=finals, sequence=self.last)
         if len(self._unacked) > self._max_unacked:
             dropped = self._unacked.pop(next(iter(self._unacked)))
-            log.warning("over %d unacknowledged final-event batches: batch %d (%d event(s)) forgotten",
-                        self._max_unacked, dropped.sequence, len(dropped.events))
+            if not self._overflowing:
+                log.warning("over %d unacknowledged final-event batches (no ack from the scheduler): the oldest "
+                            "are forgotten from batch %d on", self._max_unacked, dropped.sequence)
+            self._overflowing = True
         return numbered
 
     def acked(self, through: int) -> None:
         """The scheduler applied every numbered batch up to `through`: forget them."""
         while self._unacked and (oldest := next(iter(self._unacked))) <= through:
             del self._unacked[oldest]
+            self._overflowing = False
 
     def unacked(self, through: int) -> list[scheduler_pb2.TokenBatch]:
         """The kept batches numbered up to `through`, oldest first (their final events only)."""

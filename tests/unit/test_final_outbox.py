@@ -46,8 +46,14 @@ def test_an_ack_forgets_every_batch_up_to_its_number_and_a_resend_stops_at_its_b
     assert outbox.unacked(3) == [] and len(outbox) == 0
 
 
-def test_past_the_bound_the_oldest_batch_is_forgotten() -> None:
+def test_past_the_bound_the_oldest_batch_is_forgotten_with_one_warning_until_an_ack(caplog) -> None:
     outbox = FinalOutbox(max_unacked=2)
-    for name in "abc":
+    for name in "abcd":
         outbox.number(batch(event(name, common_pb2.FINISH_REASON_ABORT)))
-    assert ids(outbox.unacked(3)) == [(2, ["b"]), (3, ["c"])]
+    assert ids(outbox.unacked(4)) == [(3, ["c"]), (4, ["d"])]
+    outbox.acked(3)
+    for name in "ef":
+        outbox.number(batch(event(name, common_pb2.FINISH_REASON_ABORT)))
+    assert ids(outbox.unacked(6)) == [(5, ["e"]), (6, ["f"])]
+    assert [r.getMessage().split(": ")[1] for r in caplog.records] == [
+        "the oldest are forgotten from batch 1 on", "the oldest are forgotten from batch 4 on"]
