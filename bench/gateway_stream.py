@@ -6,9 +6,10 @@ what is measured.
 Sends `--requests` streamed requests, `--concurrency` at a time, each generating `--output-len`
 tokens (ignore_eos), and reports the gateway's CPU (from /proc/<pid>/stat) per delivered token
 and per request, with the SSE events per request (fewer than tokens when a message carried
-several) and the load average; with `--split`, that CPU as a fixed part per request and a part per
-token, from as many 2-token requests run after. Bounded: requests x tokens, each request with a timeout; every
-process is stopped at the end. `--profile FILE` records the gateway with py-spy (speedscope JSON).
+several), the gateway's context switches per token and the load average; with `--split`, that
+CPU as a fixed part per request and a part per token, from as many 2-token requests run after.
+Bounded: requests x tokens, each request with a timeout; every process is stopped at the end.
+`--profile FILE` records the gateway with py-spy (speedscope JSON).
 
 Run: `.venv/bin/python bench/gateway_stream.py [--requests 96] [--concurrency 16] [--output-len 128]
 [--stream-interval 4] [--event-loop asyncio] [--split]`.
@@ -55,6 +56,10 @@ class Result:
     event_loop_cpu_ms_per_token: float  # the gateway's main thread alone: its asyncio event loop
     event_loop_system_ms_per_token: float  # of which in the kernel (the socket writes and reads, the polls)
     gateway_threads_cpu_s: dict[str, float]  # the run's CPU per gateway thread name (event loop, gRPC poller, ...)
+    # The gateway's threads' context switches per token (voluntary: a thread waited, as on each hand-off from gRPC's
+    # threads to the event loop; involuntary: it was preempted), summed over the threads.
+    voluntary_switches_per_token: float
+    involuntary_switches_per_token: float
     loadavg_before: str
     loadavg_after: str
     cpu: str
@@ -116,11 +121,13 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                                      "--format", "speedscope", "--output", str(args.profile), "--rate", "200", *native],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load_before, cpu_before, threads_before, started = loadavg(), cpu_seconds(pid), thread_cpu(pid), time.monotonic()
+    switches_before = context_switches(pid)
     loop_before, loop_system_before = loop_cpu(pid), loop_cpu(pid, system_only=True)
     outcome = asyncio.run(drive(cluster.http_gateway, args.requests, args))
     wall, used, loop_used = time.monotonic() - started, cpu_seconds(pid) - cpu_before, loop_cpu(pid) - loop_before
     loop_system = loop_cpu(pid, system_only=True) - loop_system_before
     threads = {name: round(cpu - threads_before.get(name, 0.0), 3) for name, cpu in thread_cpu(pid).items()}
+    voluntary, involuntary = (after - before for after, before in zip(context_switches(pid), switches_before))
     if profiler is not None:
         profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT, not on SIGTERM
         profiler.wait(timeout=60)
@@ -134,6 +141,8 @@ def measure(cluster: SimCluster, args: argparse.Namespace) -> Result:
                   event_loop_cpu_ms_per_token=round(loop_used * 1e3 / tokens, 4),
                   event_loop_system_ms_per_token=round(loop_system * 1e3 / tokens, 4),
                   gateway_threads_cpu_s={name: cpu for name, cpu in sorted(threads.items()) if cpu},
+                  voluntary_switches_per_token=round(voluntary / tokens, 3),
+                  involuntary_switches_per_token=round(involuntary / tokens, 3),
                   loadavg_before=load_before, loadavg_after=loadavg(), cpu=cpu_model(), **split)
 
 
@@ -179,6 +188,25 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue  # the thread ended
         totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return totals
+
+
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches so far, summed over the process's live threads (a
+    thread that ended takes its count with it: the gateway's threads live as long as it does)."""
+    voluntary = involuntary = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            counts = switch_counts((task / "status").read_text())
+        except FileNotFoundError:
+            continue  # the thread ended
+        voluntary, involuntary = voluntary + counts[0], involuntary + counts[1]
+    return voluntary, involuntary
+
+
+def switch_counts(status: str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches from the text of a /proc/.../status file."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
 
 
 def main() -> int:
