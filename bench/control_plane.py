@@ -200,6 +200,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="py-spy the scheduler replicas through each point's measured run: collapsed stacks "
                              "(one per line, then its sample count) into DIR/POINT-REPLICA.txt")
+    parser.add_argument("--profile-rate", type=int, default=100,
+                        help="py-spy's samples a second for --profile (py-spy's default 100 leaves a few hundred "
+                             "samples a run; 400 resolves a 5%% share)")
     args = parser.parse_args()
     for store in args.stores:
         if store not in ("embedded", "redis"):
@@ -254,7 +257,7 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     idle_rate = idle_cpu_rate([pids[name] for name in replicas], args.idle_s)
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
     threads_before = [thread_use(pids[name]) for name in replicas]
-    with profiling(args.profile, point, {name: pids[name] for name in replicas}):
+    with profiling(args.profile, point, {name: pids[name] for name in replicas}, args.profile_rate):
         t0 = time.monotonic()
         outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
         wall = time.monotonic() - t0
@@ -304,14 +307,15 @@ def idle_cpu_rate(pids: list[int], seconds: float) -> float:
 
 
 @contextmanager
-def profiling(directory: Path | None, point: Point, pids: dict[str, int]) -> Iterator[None]:
-    """py-spy each process in `pids` while the block runs (nothing without a directory)."""
+def profiling(directory: Path | None, point: Point, pids: dict[str, int], rate: int = 100) -> Iterator[None]:
+    """py-spy each process in `pids` at `rate` samples a second while the block runs (nothing without a directory)."""
     if directory is None:
         yield
         return
     directory.mkdir(parents=True, exist_ok=True)
     spies = [subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format",
-                               "raw", "--nonblocking", "--output", str(directory / f"{point.name}-{child}.txt")],
+                               "raw", "--nonblocking", "--rate", str(rate),
+                               "--output", str(directory / f"{point.name}-{child}.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for child, pid in pids.items()]
     try:
