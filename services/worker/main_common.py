@@ -149,7 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser, spec: RoleSpec) -> None:
                help="address the scheduler and other workers reach this worker at; none: host:port, "
                     "with 127.0.0.1 for an unspecified host")
     add_option(parser, "--scheduler", type=_scheduler_addresses, default=(DEFAULT_SCHEDULER,), metavar="HOST:PORT,...",
-               help="the schedulers to register with and report to (every replica); 'none' runs standalone")
+               help="the schedulers to register with (every replica; each request is reported to the one that "
+                    "placed it); 'none' runs standalone")
     add_list_option(parser, "--model", metavar="[NAME=]DIR",
                     help="HF model directory to serve (as NAME; none: its directory's name), beside every model "
                          "directory under $TANDEM_HOME/models; the first is loaded at start and serves requests "
