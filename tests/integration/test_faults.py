@@ -127,13 +127,27 @@ def worker(mesh: Mesh, worker_id: str) -> Endpoint:
 
 
 def first_ranked_decode(mesh: Mesh) -> str:
-    """The decode worker an idle mesh routes to first: the most free blocks, then the lowest id."""
-    decode = [w for w in mesh.scheduler_stats().workers if w.info.role == common_pb2.WORKER_ROLE_DECODE]
+    """The decode worker an idle mesh routes to first: the most free blocks, then the lowest id; read once
+    the scheduler's view of every decode worker's blocks is the worker's own (a heartbeat came after the
+    last request ended), so the next heartbeats leave the ranking as it is."""
+    def settled() -> list | None:
+        decode = [w for w in mesh.scheduler_stats().workers if w.info.role == common_pb2.WORKER_ROLE_DECODE]
+        own = [mesh.worker_stats(worker(mesh, w.info.worker_id).name) for w in decode]
+        agree = all((w.load.free_blocks, w.load.cached_blocks) == (s.free_blocks + s.cached_blocks, s.cached_blocks)
+                    for w, s in zip(decode, own))  # a load report counts cached blocks as free: they can be evicted
+        return decode if agree else None
+
+    decode = wait_until(settled, "the scheduler's view of the decode workers' blocks to catch up with them")
     return min(decode, key=lambda w: (-w.load.free_blocks, w.info.worker_id)).info.worker_id
 
 
 def route_of(mesh: Mesh, request_id: str):
     return next(r for r in mesh.scheduler_stats().recent_routes if r.request_id == request_id)
+
+
+def routed_to(mesh: Mesh, request_id: str) -> str:
+    """The decode worker holding the request's reserved blocks; "" before it is routed."""
+    return next((r.decode_worker_id for r in mesh.scheduler_stats().recent_routes if r.request_id == request_id), "")
 
 
 def serves_again(mesh: Mesh, reference: list[int], request_id: str) -> None:
@@ -200,7 +214,6 @@ def test_a_request_whose_worker_freezes_during_its_prefill_and_kv_transfer_is_un
     on the decode worker (whatever the machine's load, it cannot finish before the test looks). Then
     either the prefill worker stays frozen (mid-prefill, before its push), or the decode worker is
     frozen and the prefill worker thawed (its push then stalls on the decode worker mid-transfer)."""
-    decode = worker(mesh, first_ranked_decode(mesh))
     (prefill,) = workers(mesh, common_pb2.WORKER_ROLE_PREFILL)
     request_id = f"kv-stage-{role}-freeze"
     request = greedy_request(LONG_PROMPTS[role], MAX_TOKENS, request_id=request_id)
@@ -208,9 +221,9 @@ def test_a_request_whose_worker_freezes_during_its_prefill_and_kv_transfer_is_un
     with ExitStack() as stopped:
         since = stopped.enter_context(frozen(mesh, prefill))
         outcome = send(mesh, pool, request)
-        wait_until(lambda: mesh.worker_stats(decode.name).reserved_blocks > 0 or outcome.done(),
-                   "the decode worker to reserve the request's blocks")
+        routed = wait_until(lambda: routed_to(mesh, request_id) or outcome.done(), "the request to be routed")
         assert not outcome.done(), f"the request ended before its KV transfer: {outcome.result()}"
+        decode = worker(mesh, routed)  # routed: its blocks are reserved there (a route is recorded after that)
         if role == "decode":
             since = stopped.enter_context(frozen(mesh, decode))
             os.kill(prefill.pid, signal.SIGCONT)
