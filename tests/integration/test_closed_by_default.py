@@ -117,8 +117,8 @@ def calls(stub: scheduler_pb2_grpc.SchedulerServiceStub):
         "Heartbeat": lambda md: stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id="fake"), metadata=md,
                                                timeout=5),
         "Submit": lambda md: list(stub.Submit(submit, metadata=md, timeout=5)),
-        "ReportTokens": lambda md: stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="fake")]),
-                                                     metadata=md, timeout=5),
+        "ReportTokens": lambda md: list(stub.ReportTokens(iter([scheduler_pb2.TokenBatch(worker_id="fake")]),
+                                                          metadata=md, timeout=5)),
     }
 
 
