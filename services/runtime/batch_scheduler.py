@@ -13,16 +13,17 @@ sequence is admitted only while the decodes' steps, its own included, leave `min
 of room (so the running set is sized from actual contexts, not a typical one). A step without
 decodes gives prompts at least that minimum, so they always progress; a step whose decodes fill the
 target gives new prompts nothing, since a minimum chunk deep in a long prompt cost as much as the whole
-target, but a prompt already under way keeps `StepTarget.floor_ms` of prompt time while the step
-stays within the first-gap budget below (on a hybrid decode worker, which aims under that budget, a
-prompt placed there is never starved by the decodes that arrive from the prefill worker). A sequence whose KV was imported (its first token sampled on a prefill worker) waits for
-the step in progress and then its own first decode step: while a KV import is under way, prompt chunks
-leave room for the step that will admit it (the hand-off's allowance and that step's predicted decodes
-within the first-gap budget, `StepTarget.gap_ms`), and the step that decodes its first token ends
-within that budget of its arrival; so its first gap, which the client sees, stays within the ITL
-target like every other. When a running sequence needs a block and none is free, the most recently admitted running
-sequence is preempted: its blocks are released and it waits at the head of the queue to be
-recomputed (its tokens so far become its prompt for the KV).
+target, but a prompt already under way keeps `StepTarget.floor_ms` of prompt time while the step stays
+within the first-gap budget below (on a hybrid decode worker, which aims under that budget, a prompt
+placed there is never starved by the decodes that arrive from the prefill worker). A sequence whose KV
+was imported (its first token sampled on a prefill worker) waits for the step in progress and then its
+own first decode step: while a KV import is under way, prompt chunks leave room for the step that will
+admit it (the hand-off's allowance and that step's predicted decodes within the first-gap budget,
+`StepTarget.gap_ms`), and the step that decodes its first token ends within that budget of its arrival;
+so its first gap, which the client sees, stays within the ITL target like every other. When a running
+sequence needs a block and none is free, the most recently admitted running sequence is preempted: its
+blocks are released and it waits at the head of the queue to be recomputed (its tokens so far become its
+prompt for the KV).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The workers' ReportTokens streams: long-lived streams, each named by the worker id of its first
-TokenBatch, carrying each request's first and final event (never the tokens between, which go to
-the gateway) and the changes to the worker's prefix cache since its last batch (applied before the
-events, in the stream's order, so a block report costs no call of its own). A worker is lost when the last of its open streams ends: its requests can no longer
-be seen to end, and `on_closed(worker_id, reason)` ends their attempts and drops the worker. A worker that
-reconnects before its old stream's end is seen keeps its worker, and so does one whose id a stray
-stream also names: the stray's end means nothing while the real stream is open. (A killed or
-cancelled worker's stream may end cleanly or with an error: both mean the same here.)
+TokenBatch, carrying each request's first and final event (never the tokens between, which go to the
+gateway) and the changes to the worker's prefix cache since its last batch (applied before the events,
+in the stream's order, so a block report costs no call of its own). A worker is lost when the last of
+its open streams ends: its requests can no longer be seen to end, and `on_closed(worker_id, reason)`
+ends their attempts and drops the worker. A worker that reconnects before its old stream's end is seen
+keeps its worker, and so does one whose id a stray stream also names: the stray's end means nothing
+while the real stream is open. (A killed or cancelled worker's stream may end cleanly or with an error:
+both mean the same here.)
 
 A batch that carries a final event is numbered (TokenBatch.sequence) and acknowledged once applied
 (report_acks.py); the worker resends those not acknowledged at the head of its next stream, so a
