@@ -5,13 +5,12 @@ A request's life here: Reserve (the runtime's KV hand-off allocates its blocks) 
 chunk written into them as it arrives, its bytes in the message or, from a sender on this host, in
 the sender's shared-memory segment the header names; such a sender streams layers while its
 prefill still computes later ones, and its last message brings the first token) -> admitted at the
-next iteration boundary as soon as the chunks the header announced are in (the segment is mapped,
-and unmapped after the admission, in a thread) ->
-one token per iteration on the request's token stream (the gateway reads it) -> blocks freed when it
-finishes. Release, Abort and the
-reservation's TTL free the blocks at any point. The blocks and their state are the hand-off's
-(services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's
-trace context (the decode span's parent) and the reservation's TTL.
+next iteration boundary as soon as the chunks the header announced are in (the segment is mapped, and
+unmapped after the admission, in a thread) -> one token per iteration on the request's token stream
+(the gateway reads it) -> blocks freed when it finishes. Release, Abort and the reservation's TTL free
+the blocks at any point. The blocks and their state are the hand-off's
+(services/runtime/kv_handoff.py); this servicer keeps only what the wire adds: the Reserve call's trace
+context (the decode span's parent) and the reservation's TTL.
 """
 
 from __future__ import annotations
