@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tests.integration.test_worker_drops import LONG, PROMPT, Follower, end_of, placement_of, submit
+from tests.integration.test_worker_drops import LONG, PROMPT, attached, end_of, submit
 from tests.sim_cluster import SimCluster, SimSpec, sim_tokens
 from tests.tcp_proxy import TcpProxy
 from tests.waiting import wait_until
@@ -54,9 +54,7 @@ def run_to_end(cluster: SimCluster, request_id: str, max_tokens: int) -> None:
     """A short request, read by its gateway to its end: OK, with every token."""
     channel, call = submit(cluster, request_id, max_tokens)
     try:
-        placement = placement_of(call)
-        follower = Follower(cluster, placement.generator_address)
-        follower.attach(placement.attempt_id)
+        placement, follower = attached(cluster, call)
         assert follower.tokens_until(placement.attempt_id, max_tokens) == sim_tokens(PROMPT, max_tokens)
         assert end_of(call) is None
         follower.close()
@@ -68,9 +66,7 @@ def test_a_final_event_sent_into_a_stream_only_the_worker_saw_break_still_ends_i
     cluster, proxy = relayed
     channel, call = submit(cluster, "lost-final", LONG)
     try:
-        placement = placement_of(call)
-        follower = Follower(cluster, placement.generator_address)
-        follower.attach(placement.attempt_id)
+        placement, follower = attached(cluster, call)
         assert follower.tokens_until(placement.attempt_id, 3)[:3] == sim_tokens(PROMPT, 3)
         assert proxy.silence() >= 1  # the worker's connection to the scheduler goes silent both ways
         follower.close()  # the worker aborts the request (nobody reads it) and reports it into the silence
@@ -91,9 +87,7 @@ def test_a_final_event_whose_ack_was_lost_is_resent_and_counted_once(relayed):
     cluster, proxy = relayed
     channel, call = submit(cluster, "lost-ack", LONG)
     try:
-        placement = placement_of(call)
-        follower = Follower(cluster, placement.generator_address)
-        follower.attach(placement.attempt_id)
+        placement, follower = attached(cluster, call)
         assert follower.tokens_until(placement.attempt_id, 3)[:3] == sim_tokens(PROMPT, 3)
         assert proxy.silence(to_upstream=False) >= 1  # the scheduler hears the worker; the worker, nothing
         follower.close()

@@ -78,6 +78,15 @@ def placement_of(call) -> scheduler_pb2.Placement:
     return event.placement
 
 
+def attached(cluster: SimCluster, call) -> tuple[scheduler_pb2.Placement, Follower]:
+    """The request's placement (the Submit call's first event), and a Follower attached to its attempt
+    on the worker that generates it (the gateway's part)."""
+    placement = placement_of(call)
+    follower = Follower(cluster, placement.generator_address)
+    follower.attach(placement.attempt_id)
+    return placement, follower
+
+
 def end_of(call) -> grpc.RpcError | None:
     """How the Submit call ended: None when OK (every event read), else its error."""
     try:
@@ -91,9 +100,7 @@ def end_of(call) -> grpc.RpcError | None:
 def test_a_request_whose_token_reader_leaves_the_worker_ends_unavailable_not_at_its_deadline(cluster):
     channel, call = submit(cluster, "reader-gone", LONG)
     try:
-        placement = placement_of(call)
-        follower = Follower(cluster, placement.generator_address)
-        follower.attach(placement.attempt_id)
+        placement, follower = attached(cluster, call)
         assert follower.tokens_until(placement.attempt_id, 3)[:3] == sim_tokens(PROMPT, 3)
         follower.close()  # the worker aborts the request: nobody reads its tokens any more
 
@@ -108,9 +115,7 @@ def test_a_request_whose_token_reader_leaves_the_worker_ends_unavailable_not_at_
 def test_after_a_dropped_request_the_worker_serves_the_next_one_to_its_end(cluster):
     channel, call = submit(cluster, "after-drop", 5)
     try:
-        placement = placement_of(call)
-        follower = Follower(cluster, placement.generator_address)
-        follower.attach(placement.attempt_id)
+        placement, follower = attached(cluster, call)
         assert follower.tokens_until(placement.attempt_id, 5) == sim_tokens(PROMPT, 5)
         assert end_of(call) is None
         follower.close()
