@@ -11,7 +11,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 
-from services.common import event_loop, internal_auth
+from services.common import event_loop, internal_auth, loop_stalls
 from services.common.config import add_option, env_default, env_name, from_args, parse_bool
 from services.common.grpc_server import GrpcServer, create_server
 from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics_server
@@ -220,13 +220,15 @@ async def serve(config: SchedulerConfig) -> None:
                  config.max_running, config.heartbeat_ttl, "on" if config.migration else "off", config.placement,
                  event_loop.loop_name(asyncio.get_running_loop()))
         ready = asyncio.create_task(serve_once_store_answers(store, server))
+        stalls = loop_stalls.watch_from_env()
         balancing = (asyncio.create_task(ModelLoads(registry, clients).keep_balanced(
                          config.replica_rule(), config.heartbeat_ttl, dispatcher.ttft))
                      if config.placement is ModelPlacement.COST else None)
         await server.run_until_signal()
         ready.cancel()
-        if balancing is not None:
-            balancing.cancel()
+        for task in (balancing, stalls):
+            if task is not None:
+                task.cancel()
     finally:
         await dispatcher.close()
         await clients.close()

@@ -1,0 +1,96 @@
+"""Event-loop stalls, to find what makes a service's latency tail: a probe that wakes every PERIOD_S
+and reports each wake later than a threshold, with the loop thread's CPU over that window (its own
+work, against waiting for a core) and the garbage collections run in it. Off unless asked
+(`TANDEM_STALL_LOG_MS`, read by `watch_from_env`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("tandem.stalls")
+
+STALL_LOG_ENV = "TANDEM_STALL_LOG_MS"
+PERIOD_S = 0.005  # the probe's sleep: 200 wakes a second while it runs
+
+
+@dataclass(frozen=True, slots=True)
+class Collection:
+    """One garbage collection: its generation, when it began (perf_counter s) and how long it took."""
+
+    generation: int
+    start: float
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A wake `late_ms` after it was due; over the `window_ms` since the probe last slept, the loop
+    thread ran `cpu_ms` (near window_ms: the loop's own work; far below: it waited for a core), and
+    `collections` ran."""
+
+    late_ms: float
+    window_ms: float
+    cpu_ms: float
+    collections: tuple[Collection, ...]
+
+    def describe(self) -> str:
+        gcs = ", ".join(f"gen{c.generation} {c.ms:.1f} ms" for c in self.collections) or "none"
+        return (f"event loop stalled: woke {self.late_ms:.1f} ms late; loop thread CPU {self.cpu_ms:.1f} ms "
+                f"of the {self.window_ms:.1f} ms window; gc: {gcs}")
+
+
+class CollectionTimes:
+    """gc.callbacks entry timing each collection; keeps the last `keep`."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._recent: deque[Collection] = deque(maxlen=keep)
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        else:
+            self._recent.append(Collection(info["generation"], self._started, (now - self._started) * 1e3))
+
+    def since(self, start: float) -> tuple[Collection, ...]:
+        return tuple(c for c in self._recent if c.start >= start)
+
+
+async def watch(threshold_ms: float, report: Callable[[Stall], None]) -> None:
+    """Report every stall of the running loop longer than threshold_ms, until cancelled."""
+    times = CollectionTimes()
+    gc.callbacks.append(times)
+    try:
+        while True:
+            slept_at, cpu_at = time.perf_counter(), time.thread_time()
+            await asyncio.sleep(PERIOD_S)
+            woke = time.perf_counter()
+            late_ms = (woke - slept_at - PERIOD_S) * 1e3
+            if late_ms > threshold_ms:
+                report(Stall(late_ms, (woke - slept_at) * 1e3, (time.thread_time() - cpu_at) * 1e3,
+                             times.since(slept_at)))
+    finally:
+        gc.callbacks.remove(times)
+
+
+def watch_from_env() -> asyncio.Task[None] | None:
+    """The probe logging stalls over TANDEM_STALL_LOG_MS milliseconds, when that is set; else None."""
+    threshold = os.environ.get(STALL_LOG_ENV)
+    if not threshold:
+        return None
+    try:
+        threshold_ms = float(threshold)
+    except ValueError:
+        raise ValueError(f"{STALL_LOG_ENV}={threshold!r}: expected the stall threshold in milliseconds, "
+                         "e.g. 2") from None
+    return asyncio.create_task(watch(threshold_ms, lambda stall: log.warning("%s", stall.describe())),
+                               name="loop-stalls")
