@@ -33,18 +33,20 @@ class Collection:
 @dataclass(frozen=True, slots=True)
 class Stall:
     """A wake `late_ms` after it was due; over the `window_ms` since the probe last slept, the loop
-    thread ran `cpu_ms` (near window_ms: the loop's own work; far below: it waited for a core), and
-    `collections` ran."""
+    thread ran `cpu_ms` (near window_ms: the loop's own work; far below: it waited, for a core or for
+    the GIL), the whole process `process_cpu_ms` (its other threads' share: what held the GIL, or a
+    core), and `collections` ran."""
 
     late_ms: float
     window_ms: float
     cpu_ms: float
+    process_cpu_ms: float
     collections: tuple[Collection, ...]
 
     def describe(self) -> str:
         gcs = ", ".join(f"gen{c.generation} {c.ms:.1f} ms" for c in self.collections) or "none"
         return (f"event loop stalled: woke {self.late_ms:.1f} ms late; loop thread CPU {self.cpu_ms:.1f} ms "
-                f"of the {self.window_ms:.1f} ms window; gc: {gcs}")
+                f"of the {self.window_ms:.1f} ms window, process CPU {self.process_cpu_ms:.1f} ms; gc: {gcs}")
 
 
 class CollectionTimes:
@@ -71,13 +73,13 @@ async def watch(threshold_ms: float, report: Callable[[Stall], None]) -> None:
     gc.callbacks.append(times)
     try:
         while True:
-            slept_at, cpu_at = time.perf_counter(), time.thread_time()
+            slept_at, cpu_at, process_at = time.perf_counter(), time.thread_time(), time.process_time()
             await asyncio.sleep(PERIOD_S)
             woke = time.perf_counter()
             late_ms = (woke - slept_at - PERIOD_S) * 1e3
             if late_ms > threshold_ms:
                 report(Stall(late_ms, (woke - slept_at) * 1e3, (time.thread_time() - cpu_at) * 1e3,
-                             times.since(slept_at)))
+                             (time.process_time() - process_at) * 1e3, times.since(slept_at)))
     finally:
         gc.callbacks.remove(times)
 

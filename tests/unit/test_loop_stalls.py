@@ -30,7 +30,7 @@ async def test_a_blocked_loop_is_reported_with_its_length_and_little_cpu() -> No
     assert stall.late_ms >= 50 - loop_stalls.PERIOD_S * 1e3
     assert stall.window_ms >= 50
     assert stall.cpu_ms < stall.window_ms / 2  # sleeping: the thread waited, it did not compute
-    assert "woke" in stall.describe()
+    assert "woke" in stall.describe() and "process CPU" in stall.describe()
 
 
 async def test_a_collection_in_the_stall_is_named() -> None:
