@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from bench.loadgen import (  # noqa: E402
 )
 from services.common.model_store import find_default_gguf  # noqa: E402
 from services.common.paths import tandem_home  # noqa: E402
+from tandem.cli.ports import free_port  # noqa: E402
 from tests.mesh import Mesh  # noqa: E402
 
 DEFAULT_TANDEM = ("colocated=--mode colocated", "disaggregated=--mode disaggregated --prefill 1 --decode 1",
@@ -99,12 +99,6 @@ def applied_policies(run_dir: Path) -> list[str]:
             lines.append(f"{log.stem}: {len(applied)} policy change(s), the last "
                          f"{applied[-1].split(POLICY_LOG, 1)[1]}")
     return lines
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def llama_server_command(binary: Path, gguf: Path, port: int | str, args: argparse.Namespace) -> list[str]:

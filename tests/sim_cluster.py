@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from services.worker.sim_engine import sim_token
+from tandem.cli.ports import free_port
 from tandem.cli.supervisor import Child, stop_all, wait_ready
 from tandem.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.mesh import collect, greedy_request
@@ -101,7 +101,7 @@ class SimCluster:
     def _start(self, sims: list[SimSpec], redis_url: str | None, scheduler_flags: tuple[str, ...],
                model: Path | None, schedulers: int, dial: Callable[[str], str]) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ports = [_free_port() for _ in range(schedulers)]
+        ports = [free_port() for _ in range(schedulers)]
         self.schedulers = [f"127.0.0.1:{port}" for port in ports]
         flags = ["--metrics-port", "0", *(["--redis-url", redis_url] if redis_url else []), *scheduler_flags]
         self._tier([self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port, flags)
@@ -112,7 +112,7 @@ class SimCluster:
         for name, child in self.children.items():
             if name.startswith("sim-"):
                 self.workers.update((m["id"], m["address"]) for m in _WORKER_LINE.finditer(child.log_path.read_text()))
-        port, http_port = _free_port(), _free_port()
+        port, http_port = free_port(), free_port()
         self.gateway, self.http_gateway = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
         self._tier([self._service("gateway", "gateway", port,
                                   ["--http-port", str(http_port), "--scheduler", ",".join(self.schedulers), *model_flags])])
@@ -170,9 +170,3 @@ def _serving(address: str) -> bool:
 
 def _printed_ready(log_path: Path) -> bool:
     return "\nready\n" in "\n" + log_path.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -24,6 +24,7 @@ from services.common.config import parse_count
 from services.common.gguf_source import weights_line
 from services.common.paths import run_dir
 from services.common.tls import MutualTLS, mutual_tls
+from tandem.cli.ports import free_port
 from tandem.cli.supervisor import (
     Child, Interrupted, RestartPolicy, StartFailed, StopRequest, Supervisor, stop_all, wait_ready,
 )
@@ -259,7 +260,6 @@ class LocalSystem:
         self.internal_tls = internal_tls  # the scheduler and workers then answer only over it
         self.tiers: list[list[Child]] = []
         self.endpoints: list[Endpoint] = []
-        self._ports: set[int] = set()
         # Secrets go to the children by environment, which `ps` does not show (argv it does).
         inherited = {k: v for k, v in os.environ.items() if k not in _AUTH_VARIABLES}
         # OpenMP's wait policy is left to the user (OMP_WAIT_POLICY passes through): threads that spin
@@ -394,13 +394,11 @@ class LocalSystem:
         return f"{self.config.connect_host}:{port}"
 
     def _free_port(self) -> int:
-        """A port free on the listen host now, never one handed out before in this run."""
+        """A port free on the listen host now, outside the ephemeral range (tandem/cli/ports.py says
+        why), never one handed out before in this run nor the gateway's own."""
         while True:
-            with socket.socket() as sock:
-                sock.bind((self.config.connect_host, 0))
-                port = sock.getsockname()[1]
-            if port not in self._ports and port not in (self.config.grpc_port, self.config.http_port):
-                self._ports.add(port)
+            port = free_port(self.config.connect_host)
+            if port not in (self.config.grpc_port, self.config.http_port):
                 return port
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from tandem.cli.ports import free_port
+
 LISTEN_FLAGS = ("--port", "--http-port", "--metrics-port")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0")
 ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9][\w.-]*):(\d+)\b")
@@ -65,18 +67,6 @@ def open_network(services: dict[str, Any]) -> ComposeNetwork:
 # --- Loopback: each (service, container port) gets a free port of 127.0.0.1 ---------------------
 
 
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all sockets held open until every port is chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _strings(service: dict[str, Any]) -> list[str]:
     command = service.get("command", [])
     check = service.get("healthcheck", {}).get("test", [])
@@ -108,7 +98,7 @@ class LoopbackNetwork:
     @classmethod
     def build(cls, services: dict[str, Any]) -> LoopbackNetwork:
         endpoints = sorted(_endpoints(services))
-        return cls(dict(zip(endpoints, free_ports(len(endpoints)))))
+        return cls({endpoint: free_port() for endpoint in endpoints})
 
     def exec_prefix(self, service: str) -> list[str]:
         return []
@@ -309,7 +299,7 @@ class NamespaceNetwork:
         return f"127.0.0.1:{forward.port}"
 
     def serve_here(self, service: str, port: int) -> int:
-        (local,) = free_ports(1)
+        local = free_port()
         self.forwards.append(PortForward((self.namespace(service), "0.0.0.0", port), (None, "127.0.0.1", local)))
         return local
 

@@ -27,8 +27,8 @@ import redis
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from services.common.health_cli import wait_until_serving
 from tandem.cli import up
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.redis_fixture import free_port
 from tests.unit.test_internal_auth import NO_TOKEN
 
 TANDEM = str(Path(sys.executable).parent / "tandem")

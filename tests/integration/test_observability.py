@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,6 +24,7 @@ import pytest
 
 from services.common.model_store import DEFAULT_MODEL_NAME
 from services.common.spans import Attr, Event, SpanName, SpanRecord, gateway_span_name, load_span_files
+from tandem.cli.ports import free_port
 from tandem.cli.trace_view import request_spans, trace_gaps
 from tandem.v1 import gateway_pb2
 from tests.mesh import Mesh, collect, greedy_request
@@ -496,16 +496,10 @@ def test_metrics_count_exactly_what_was_sent(mesh, run_dir, model_name):
 
 # -- a dead OTLP endpoint ----------------------------------------------------------------------
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_dead_otlp_endpoint_fails_no_request_and_is_reported(tmp_path, default_model_dir):
     # That exporting costs the request path nothing is tests/unit/test_tracing.py's to show: spans
     # are exported on the batch worker, never on the thread that ends them.
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     broken_dir = tmp_path / "otlp"
     broken = Mesh.start("--prefill", "1", "--decode", "1", "--model", str(default_model_dir),
                         env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}, run_dir=broken_dir)

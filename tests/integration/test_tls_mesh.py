@@ -21,11 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tandem
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.certificates import CertificateAuthority, Issued
 from tests.hf_reference import MAX_NEW_TOKENS, assert_matches
 from tests.mesh import greedy_request
-from tests.redis_fixture import free_port
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

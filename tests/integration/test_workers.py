@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import pytest
 
 from services.common.block_hash import hash_chain
 from services.common.health_cli import check, wait_until_serving
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.assign import assign
@@ -174,12 +174,6 @@ def start_scheduler(port: int = 0) -> Scheduler:
 
 
 # -- worker processes -----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -24,9 +24,9 @@ from services.gateway.main import GENERATE_SERVICE
 from services.gateway.request import ServedModel
 from services.gateway.servicer import GenerateServicer
 from services.gateway.upstream import Upstream
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from tests.placing_scheduler import PlacingScheduler
-from tests.redis_fixture import free_port
 from tests.waiting import eventually
 
 REPLY = [1000, 1001]

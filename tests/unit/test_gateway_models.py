@@ -30,8 +30,8 @@ from services.gateway.models import GatewayModels, LoadedModel, resident_workers
 from services.gateway.request import GenerationRequest
 from services.gateway.servicer import GenerateServicer
 from services.gateway.upstream import Upstream
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, gateway_pb2, scheduler_pb2
-from tests.integration.compose_network import free_ports
 from tests.placing_scheduler import PlacingScheduler
 from tests.waiting import wait_until
 
@@ -238,7 +238,7 @@ def test_the_gateway_command_serves_each_model_flag_and_the_models_under_tandem_
 ) -> None:
     home = tmp_path / "home"
     shutil.copytree(other_model_dir, home / "models" / "found")  # served under its directory's name
-    grpc_port, http_port, scheduler_port = free_ports(3)  # no scheduler listens: nothing is resident
+    grpc_port, http_port, scheduler_port = free_port(), free_port(), free_port()  # no scheduler listens: nothing is resident
     env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_RUN_DIR": str(tmp_path / "run")}
     argv = [sys.executable, "-m", "tandem.cli", "gateway", "--insecure-internal", "--port", str(grpc_port),
             "--http-port", str(http_port), "--scheduler", f"127.0.0.1:{scheduler_port}",

@@ -21,8 +21,8 @@ from services.scheduler.worker_clients import WorkerClients
 from services.worker.heartbeat_stream import HeartbeatStream
 from services.worker.registration import Registration
 from services.worker.transport import internal_metadata, open_channel
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.redis_fixture import free_port
 from tests.waiting import DEADLINE_S, eventually
 
 TOKEN = "s3cret"
@@ -172,11 +172,10 @@ class UnaryOnly(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 
 async def serve(servicer: scheduler_pb2_grpc.SchedulerServiceServicer) -> tuple[object, str]:
-    port = free_port()
-    server = create_server("127.0.0.1", port, internal_token=TOKEN)
+    server = create_server("127.0.0.1", 0, internal_token=TOKEN)  # it binds a port and reports it
     server.add_service(SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer)
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    return server, f"127.0.0.1:{server.port}"
 
 
 def beat(running: int) -> scheduler_pb2.HeartbeatRequest:

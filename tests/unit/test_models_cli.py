@@ -17,8 +17,8 @@ import pytest
 
 from services.common.grpc_server import INTERNAL_TOKEN_KEY
 from tandem.cli import models
+from tandem.cli.ports import free_port
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.compose_network import free_ports
 
 TOKEN = "a-provisioning-token-0123"
 API_KEY = "client-key"
@@ -114,7 +114,7 @@ def test_provision_pins_the_model_with_the_internal_token(scheduler, token, caps
 
 def test_provision_asks_the_next_scheduler_when_one_cannot_be_reached(scheduler, token, capsys) -> None:
     _, address = scheduler
-    (down,) = free_ports(1)
+    down = free_port()
     code, out, _ = run(["provision", "smol", "--scheduler", f"127.0.0.1:{down},{address}"], capsys)
     assert (code, out) == (0, f"model 'smol' is pinned on 1 worker ({address}): w1\n")
 
@@ -148,7 +148,7 @@ def test_no_credentials_exit_2_before_anything_is_sent(scheduler, monkeypatch, c
 
 
 def test_no_reachable_scheduler_exits_3(token, capsys) -> None:
-    down = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    down = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     code, _, err = run(["provision", "smol", "--scheduler", ",".join(down)], capsys)
     assert code == 3
     assert err.startswith(f"tandem models provision: no scheduler could be reached ({', '.join(down)}): UNAVAILABLE: ")
@@ -178,6 +178,6 @@ def test_list_prints_every_model_with_its_residency(gateway, capsys) -> None:
 def test_list_exits_1_when_the_gateway_refuses_and_3_when_it_cannot_be_reached(gateway, capsys) -> None:
     code, _, err = run(["list", "--url", gateway, "--api-key", "wrong"], capsys)
     assert (code, err) == (1, f"tandem models list: GET {gateway}/v1/models: HTTP 401: invalid API key\n")
-    (down,) = free_ports(1)
+    down = free_port()
     code, _, err = run(["list", "--url", f"http://127.0.0.1:{down}"], capsys)
     assert code == 3 and err.startswith(f"tandem models list: cannot reach the gateway at http://127.0.0.1:{down}: ")

@@ -26,9 +26,9 @@ from services.worker.registration import Registration
 from services.worker.runtime import ModelPlan, WorkerIdentity, WorkerRuntime
 from services.worker.store_renewal import StoreRenewal
 from services.worker.transport import open_channel
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, scheduler_pb2
 from tests.clock import FakeClock
-from tests.redis_fixture import free_port
 from tests.unit.test_heartbeat_stream import METADATA, TTL_S, WORKER, Clock, Scheduler
 from tests.waiting import DEADLINE_S
 

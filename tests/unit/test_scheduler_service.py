@@ -47,11 +47,12 @@ from services.scheduler.main import SchedulerConfig, batch_policy
 from services.scheduler.planner import room
 from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 from services.scheduler.worker_clients import WorkerClients
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.redis_store import RedisStore
 from tests.clock import FakeClock
 from tests.flaky_store import FlakyStore
-from tests.redis_fixture import RedisServer, free_port, private_redis  # noqa: F401 (fixture)
+from tests.redis_fixture import RedisServer, private_redis  # noqa: F401 (fixture)
 from tests.waiting import DEADLINE_S, eventually, eventually_async
 
 TOKEN = "s3cret"

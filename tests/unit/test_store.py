@@ -18,7 +18,8 @@ from services.common.redis_store import RedisStore
 from services.common.store import (
     EmbeddedStore, Store, StoreUnavailable, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole, open_store,
 )
-from tests.redis_fixture import RedisServer, free_port, private_redis, redis_server  # noqa: F401 (fixtures)
+from tandem.cli.ports import free_port
+from tests.redis_fixture import RedisServer, private_redis, redis_server  # noqa: F401 (fixtures)
 
 BLOCK = 4
 H = hash_chain(list(range(5 * BLOCK)), BLOCK)  # five chained block hashes h0..h4

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from services.common.tracing import (
     kv_transfer_attributes,
     setup_tracing,
 )
+from tandem.cli.ports import free_port
 from tandem.cli.trace_view import trace_gaps
 from tests.waiting import DEADLINE_S, wait_until
 
@@ -203,15 +203,9 @@ def test_span_file_holds_each_span_from_its_start_and_from_its_end(tmp_path: Pat
     provider.shutdown()
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_dead_otlp_endpoint_is_tried_off_the_request_thread_and_warns(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
     exporting_threads: list[threading.Thread] = []

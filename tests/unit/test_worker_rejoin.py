@@ -25,9 +25,9 @@ from services.worker.registration import Registration
 from services.worker.reporter import TokenReporter
 from services.worker.runtime import ModelPlan, WorkerIdentity, WorkerRuntime
 from services.worker.transport import internal_metadata, open_channel
+from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.streams import TokenStreams
-from tests.redis_fixture import free_port
 from tests.waiting import eventually
 
 TOKEN = "s3cret"
