@@ -82,7 +82,7 @@ return 1
 """
 
 # ARGV: block key prefix, then a chain of block hashes. Returns {id, n, ...}: each worker caching
-# the first block with n, how many leading blocks of the chain it caches (store.leading_matches).
+# the first block with n, how many leading blocks of the chain it caches (Store.match_prefix).
 MATCH_PREFIX = """
 local prefix = ARGV[1]
 local holders = redis.call('SMEMBERS', prefix .. ARGV[2])

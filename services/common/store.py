@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from services.common.block_hash import BlockHash
+from services.common.prefix_index import PrefixIndex
 
 
 class StoreUnavailable(RuntimeError):
@@ -87,23 +88,6 @@ class WorkerRecord:
     load: WorkerLoad
 
 
-def leading_matches(holders: Iterable[set[str]]) -> dict[str, int]:
-    """Per worker, how many leading blocks of a chain it holds, given holders[i] = the workers holding block i.
-
-    A block counts only if every block before it is held too: a worker's cache can only reuse
-    an unbroken prefix.
-    """
-    matched: dict[str, int] = {}
-    candidates: set[str] | None = None
-    for i, workers in enumerate(holders):
-        candidates = set(workers) if candidates is None else candidates & workers
-        if not candidates:
-            break
-        for worker_id in candidates:
-            matched[worker_id] = i + 1
-    return matched
-
-
 class Store(Protocol):
     """Worker registry and prefix index, shared by scheduler replicas.
 
@@ -176,8 +160,7 @@ class EmbeddedStore:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
-        self._holders: dict[BlockHash, set[str]] = {}
-        self._blocks: dict[str, set[BlockHash]] = {}
+        self._index = PrefixIndex()
         self._claims: dict[str, tuple[str, float]] = {}  # key -> (owner, expires_at)
 
     def _live(self, worker_id: str) -> _Entry | None:
@@ -210,16 +193,10 @@ class EmbeddedStore:
         await self.drop_worker_blocks(worker_id)
 
     async def add_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        owned = self._blocks.setdefault(worker_id, set())
-        for block_hash in hashes:
-            owned.add(block_hash)
-            self._holders.setdefault(block_hash, set()).add(worker_id)
+        self._index.add(worker_id, hashes)
 
     async def remove_blocks(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        owned = self._blocks.get(worker_id, set())
-        for block_hash in hashes:
-            owned.discard(block_hash)
-            self._discard_holder(block_hash, worker_id)
+        self._index.remove(worker_id, hashes)
 
     async def update_blocks(self, worker_id: str, stored: Iterable[BlockHash] = (),
                             evicted: Iterable[BlockHash] = (), *, reset: bool = False) -> None:
@@ -229,22 +206,13 @@ class EmbeddedStore:
         await self.remove_blocks(worker_id, evicted)
 
     async def match_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
-        return leading_matches(self._holders.get(h, set()) for h in hashes)
+        return self._index.match(hashes)
 
     async def drop_worker_blocks(self, worker_id: str) -> None:
         self._forget_blocks(worker_id)
 
     def _forget_blocks(self, worker_id: str) -> None:
-        for block_hash in self._blocks.pop(worker_id, set()):
-            self._discard_holder(block_hash, worker_id)
-
-    def _discard_holder(self, block_hash: BlockHash, worker_id: str) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is None:
-            return
-        holders.discard(worker_id)
-        if not holders:
-            del self._holders[block_hash]
+        self._index.forget(worker_id)
 
     async def claim(self, key: str, owner: str, ttl: float) -> bool:
         held = self._claims.get(key)
