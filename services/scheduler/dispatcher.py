@@ -307,7 +307,7 @@ class Dispatcher:
     def _record_route(self, state: RequestState, plan: RoutePlan, decode_worker_id: str) -> None:
         """The decision, in the stats' recent routes and on the request's span (its `routed` event)."""
         state.route = plan.route_info(state.request_id, decode_worker_id, state.placement.reserved_blocks)
-        self.counters.routes.append(state.route)
+        self.counters.record_route(state.route, *plan.recorded_scores())
         attributes = {Attr.ROUTE_PREFILL_WORKER: state.route.prefill_worker_id,
                       Attr.ROUTE_DECODE_WORKER: state.route.decode_worker_id, Attr.ROUTE_SCORES: plan.scores_json()}
         if plan.placement is not None:

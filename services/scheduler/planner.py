@@ -45,16 +45,18 @@ class RoutePlan:
     placement: PrefillDecision | None = None
 
     def route_info(self, request_id: str, decode_worker_id: str, reserved_blocks: int) -> scheduler_pb2.RouteInfo:
-        """The decision as recorded: the best prefill candidate, the decode worker that took the reservation."""
+        """The decision as recorded: the best prefill candidate, the decode worker that took the reservation.
+        Without the candidates' scores (recorded_scores), which only Stats' recent routes carry on the wire."""
         prefill = self.prefill[0]
         if self.placement is not None and self.placement.site is PrefillSite.LOCAL:
             decode_worker_id = prefill.worker_id
         return scheduler_pb2.RouteInfo(
             request_id=request_id, prefill_worker_id=prefill.worker_id, decode_worker_id=decode_worker_id,
-            matched_prefix_blocks=prefill.cached_blocks, reserved_blocks=reserved_blocks,
-            prefill_scores=[s.to_pb() for s in self.prefill[:RECORDED_SCORES]],
-            decode_scores=[s.to_pb() for s in self.decode[:RECORDED_SCORES]],
-            degraded=self.degraded)
+            matched_prefix_blocks=prefill.cached_blocks, reserved_blocks=reserved_blocks, degraded=self.degraded)
+
+    def recorded_scores(self) -> tuple[list[Score], list[Score]]:
+        """The best candidates of each kind (RECORDED_SCORES), best first: prefill, then decode."""
+        return self.prefill[:RECORDED_SCORES], self.decode[:RECORDED_SCORES]
 
     def scores_json(self) -> str:
         """The best candidates' score breakdowns (RECORDED_SCORES of each kind), for the request's span."""

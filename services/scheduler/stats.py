@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from services.common.store import WorkerRecord
 from services.scheduler.admission import Admission
 from services.scheduler.convert import info_to_pb, load_to_pb
 from services.scheduler.registry import WorkerRegistry
+from services.scheduler.router import Score
 from tandem.v1 import scheduler_pb2
 
 RECENT_ROUTES = 256
@@ -24,15 +26,35 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # RESOURCE_EXHAUSTED
 
 
+class RecentRoute(NamedTuple):
+    """A routing decision and its best candidates' scores, as kept for Stats: the scores become the
+    wire's WorkerScores only when Stats asks (every request is routed; few decisions are read)."""
+
+    route: scheduler_pb2.RouteInfo  # without scores
+    prefill: list[Score]
+    decode: list[Score]
+
+    def to_pb(self) -> scheduler_pb2.RouteInfo:
+        route = scheduler_pb2.RouteInfo()
+        route.CopyFrom(self.route)
+        route.prefill_scores.extend(s.to_pb() for s in self.prefill)
+        route.decode_scores.extend(s.to_pb() for s in self.decode)
+        return route
+
+
 @dataclass(slots=True)
 class Counters:
     submitted: int = 0
     migrated: int = 0  # continuations started after a worker was lost (a request may move more than once)
     outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
-    routes: deque[scheduler_pb2.RouteInfo] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
+    routes: deque[RecentRoute] = field(default_factory=lambda: deque(maxlen=RECENT_ROUTES))
+
+    def record_route(self, route: scheduler_pb2.RouteInfo, prefill: list[Score], decode: list[Score]) -> None:
+        self.routes.append(RecentRoute(route, prefill, decode))
 
     def recent_routes(self, n: int) -> list[scheduler_pb2.RouteInfo]:
-        return list(self.routes)[-n:] if n > 0 else []
+        """The last `n` decisions, oldest first, with their candidates' scores."""
+        return [recent.to_pb() for recent in list(self.routes)[-n:]] if n > 0 else []
 
 
 def snapshot(counters: Counters, admission: Admission, registry: WorkerRegistry, workers: list[WorkerRecord],

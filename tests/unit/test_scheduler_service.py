@@ -399,6 +399,20 @@ async def test_colocated_workers_run_the_whole_request_with_a_drawn_or_given_see
         assert mesh.workers["p-0"].calls == [] and mesh.workers["d-0"].calls == []
 
 
+async def test_a_placement_carries_the_decision_and_stats_the_candidates_scores() -> None:
+    """The gateway reads no score: a Placement's route leaves them out, Stats' recent routes keep them."""
+    async with scheduler("c-0", "c-1") as mesh:
+        placement = await completes(mesh.submit("r1", prompt_tokens=20))
+        (route,) = (await mesh.idle()).recent_routes
+        assert [(s.cost, s.cached_blocks) for s in route.prefill_scores] == [(20.0, 0), (20.0, 0)]
+        assert {s.worker_id for s in route.prefill_scores} == {"c-0", "c-1"} and not route.decode_scores
+        assert route.prefill_scores[0].worker_id == route.prefill_worker_id == placement.generator_worker_id
+        decision = scheduler_pb2.RouteInfo()
+        decision.CopyFrom(route)
+        decision.ClearField("prefill_scores")
+        assert placement.route == decision and decision.request_id == "r1"
+
+
 async def test_a_registering_worker_receives_the_configured_batch_policy() -> None:
     policy = batch_policy(SchedulerConfig(batch_max_tokens=1024, batch_chunk_size=128))
     async with scheduler(policy=policy) as mesh:
