@@ -34,15 +34,13 @@ class FinalOutbox:
         return len(self._unacked)
 
     def number(self, batch: scheduler_pb2.TokenBatch) -> scheduler_pb2.TokenBatch:
-        """The batch to send: `batch` itself when it carries no final event; else a numbered copy
-        (the caller's may go to other schedulers too), whose final events are kept."""
+        """The batch to send, `batch` itself: numbered when it carries a final event, whose final events
+        are then kept. (Each scheduler's reporter gets batches of its own: no batch is numbered twice.)"""
         finals = [event for event in batch.events if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
         if not finals:
             return batch
         self.last += 1
-        numbered = scheduler_pb2.TokenBatch()
-        numbered.CopyFrom(batch)
-        numbered.sequence = self.last
+        batch.sequence = self.last
         self._unacked[self.last] = scheduler_pb2.TokenBatch(worker_id=batch.worker_id, iteration=batch.iteration,
                                                             events=finals, sequence=self.last)
         if len(self._unacked) > self._max_unacked:
@@ -51,7 +49,7 @@ class FinalOutbox:
                 log.warning("over %d unacknowledged final-event batches (no ack from the scheduler): the oldest "
                             "are forgotten from batch %d on", self._max_unacked, dropped.sequence)
             self._overflowing = True
-        return numbered
+        return batch
 
     def acked(self, through: int) -> None:
         """The scheduler applied every numbered batch up to `through`: forget them."""
