@@ -23,6 +23,8 @@ worker's block events take into the store, Redis or embedded), then sends `--req
     hop before it (the gateway's span's start to the scheduler's), p50 and p99; with the CPU the
     cluster and the bench used meanwhile ("cores busy", of the machine's), to show the headroom. The
     run's "route p99" above is measured with the cores saturated: it is mostly queueing for them;
+  - the scheduler's event-loop stalls in the paced phase (`--stall-ms`, services/common/loop_stalls.py):
+    how many, the longest, and the longest garbage collection among them;
   - where the scheduler's CPU per request goes: its event loop's thread against gRPC's own threads
     (the poller and the event engine's), and the context switches of all its threads, per request.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import itertools
 import json
 import os
@@ -60,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from services.common.loop_stalls import STALL_LOG_ENV, Stall  # noqa: E402
 from services.common.spans import Attr, Event, SpanName, load_span_files  # noqa: E402
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from tests.redis_fixture import RedisServer  # noqa: E402
@@ -135,6 +139,9 @@ class Result:
     paced_ttft_p99_ms: float = float("nan")
     paced_cores_busy: float = float("nan")  # CPU-s a second of the cluster and the bench over the paced phase
     paced_nice: int = 0  # the niceness the cluster's and the bench's threads had for the paced phase
+    paced_sched_stalls: int = 0  # the scheduler replicas' event-loop stalls over --stall-ms in the paced phase
+    paced_sched_stall_max_ms: float = float("nan")
+    paced_sched_gc_max_ms: float = float("nan")  # the longest garbage collection within those stalls
 
 
 def main() -> int:
@@ -145,6 +152,8 @@ def main() -> int:
         if args.plot:
             plot(results, args.plot)
         return 0
+    if args.stall_ms > 0:
+        os.environ[STALL_LOG_ENV] = f"{args.stall_ms:g}"  # the schedulers log their stalls (they inherit it)
     points = [Point(w, b, s, n) for s, b, w, n in itertools.product(args.stores, args.index_blocks, args.workers,
                                                                      args.schedulers)]
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs (shared with other work: see the load averages)",
@@ -185,6 +194,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--paced-nice", type=int, default=0,
                         help="the niceness every thread of the cluster and the bench takes for the paced phase "
                              "(e.g. -10, as root: other work on a shared machine then queues behind them)")
+    parser.add_argument("--stall-ms", type=float, default=2.0,
+                        help="the schedulers log their event-loop stalls longer than this; the paced phase's are "
+                             "counted (0: off)")
     parser.add_argument("--idle-s", type=float, default=IDLE_S,
                         help="seconds the scheduler's fixed cost is measured for before the run")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (the first 32 shared by a family)")
@@ -332,9 +344,12 @@ def run_paced(cluster: SimCluster, pids: dict[str, int], args: argparse.Namespac
     if args.paced_requests <= 0 or args.paced_rate <= 0:
         return {}
     before, own_before, started = {n: cpu_seconds(p) for n, p in pids.items()}, _own_cpu_seconds(), time.monotonic()
+    started_at = time.time()
     with niceness([*pids.values(), os.getpid()], args.paced_nice):
         outcome = asyncio.run(drive_paced(cluster.gateway, args.paced_requests, args.paced_rate, args))
     wall = time.monotonic() - started
+    stalls = scheduler_stalls(cluster.run_dir, started_at, time.time())
+    collections = [c.ms for stall in stalls for c in stall.collections]
     used = sum(cpu_seconds(p) - before[n] for n, p in pids.items()) + _own_cpu_seconds() - own_before
     hops = route_hops_ms(cluster.run_dir, set(outcome.request_ids))
     ms = lambda values, q: round(percentile(values, q), 2)  # noqa: E731
@@ -345,7 +360,24 @@ def run_paced(cluster: SimCluster, pids: dict[str, int], args: argparse.Namespac
             "paced_hop_p50_ms": ms(hops.hop, 0.5), "paced_hop_p99_ms": ms(hops.hop, 0.99),
             "paced_assign_p50_ms": ms(hops.assign, 0.5), "paced_assign_p99_ms": ms(hops.assign, 0.99),
             "paced_ttft_p50_ms": ms(outcome.ttfts_ms, 0.5), "paced_ttft_p99_ms": ms(outcome.ttfts_ms, 0.99),
-            "paced_cores_busy": round(used / wall, 2), "paced_nice": args.paced_nice}
+            "paced_cores_busy": round(used / wall, 2), "paced_nice": args.paced_nice,
+            "paced_sched_stalls": len(stalls),
+            "paced_sched_stall_max_ms": max((s.late_ms for s in stalls), default=float("nan")),
+            "paced_sched_gc_max_ms": max(collections, default=float("nan"))}
+
+
+def scheduler_stalls(run_dir: Path, start: float, end: float) -> list[Stall]:
+    """The stalls the scheduler replicas logged (each line's time, local, to the ms) between two time.time()s."""
+    stalls = []
+    for log in run_dir.glob("scheduler*.log"):
+        for line in log.read_text().splitlines():
+            stall = Stall.parse(line)
+            if stall is None:
+                continue
+            at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if start <= at <= end:
+                stalls.append(stall)
+    return stalls
 
 
 @contextmanager
@@ -594,6 +626,8 @@ COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index b
            ("paced_assign_p99_ms", "paced routed->worker p99 ms"),
            ("paced_route_p50_ms", "paced route p50 ms"), ("paced_route_p99_ms", "paced route p99 ms"),
            ("paced_ttft_p99_ms", "paced TTFT p99 ms"), ("paced_failed", "paced failed"),
+           ("paced_sched_stalls", "paced sched stalls"), ("paced_sched_stall_max_ms", "paced sched stall max ms"),
+           ("paced_sched_gc_max_ms", "paced sched gc max ms"),
            ("loadavg_after", "loadavg"))
 
 

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +20,9 @@ log = logging.getLogger("tandem.stalls")
 
 STALL_LOG_ENV = "TANDEM_STALL_LOG_MS"
 PERIOD_S = 0.005  # the probe's sleep: 200 wakes a second while it runs
+_DESCRIBED = re.compile(r"event loop stalled: woke ([\d.]+) ms late; loop thread CPU ([\d.]+) ms of the ([\d.]+) ms "
+                        r"window, process CPU ([\d.]+) ms; gc: (.*)$")
+_COLLECTION = re.compile(r"gen(\d) ([\d.]+) ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,17 @@ class Stall:
         gcs = ", ".join(f"gen{c.generation} {c.ms:.1f} ms" for c in self.collections) or "none"
         return (f"event loop stalled: woke {self.late_ms:.1f} ms late; loop thread CPU {self.cpu_ms:.1f} ms "
                 f"of the {self.window_ms:.1f} ms window, process CPU {self.process_cpu_ms:.1f} ms; gc: {gcs}")
+
+    @staticmethod
+    def parse(line: str) -> Stall | None:
+        """The stall a log line describes (its figures to 0.1 ms; collections without their start); None
+        for any other line."""
+        found = _DESCRIBED.search(line)
+        if found is None:
+            return None
+        late, cpu, window, process = (float(found[i]) for i in range(1, 5))
+        collections = tuple(Collection(int(gen), 0.0, float(ms)) for gen, ms in _COLLECTION.findall(found[5]))
+        return Stall(late, window, cpu, process, collections)
 
 
 class CollectionTimes:

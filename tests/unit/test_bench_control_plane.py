@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
-from bench.control_plane import route_hops_ms
+from bench.control_plane import route_hops_ms, scheduler_stalls
+from services.common.loop_stalls import Collection, Stall
 from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
 MS = 1_000_000  # ns
@@ -29,3 +31,16 @@ def test_paced_hops_are_read_per_request_from_every_services_spans(tmp_path: Pat
     hops = route_hops_ms(tmp_path, {"r-1"})
 
     assert (hops.hop, hops.decide, hops.route, hops.assign) == ([2.0], [1.0], [3.5], [2.5])
+
+
+def test_the_scheduler_stalls_of_a_window_are_read_from_its_logs(tmp_path: Path) -> None:
+    inside = Stall(12.3, 17.3, 2.5, 3.5, (Collection(2, 0.0, 9.8),))
+    outside = Stall(40.0, 45.0, 1.0, 1.0, ())
+    (tmp_path / "scheduler.log").write_text(
+        f"2026-12-02 15:18:40,000 WARNING tandem.stalls: {outside.describe()}\n"
+        "2026-12-02 15:18:46,000 INFO tandem.scheduler: serving\n"
+        f"2026-12-02 15:18:46,941 WARNING tandem.stalls: {inside.describe()}\n")
+    (tmp_path / "sim-0.log").write_text(f"2026-12-02 15:18:46,941 WARNING sim-worker tandem.stalls: {outside.describe()}\n")
+    at = lambda text: datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()  # noqa: E731
+
+    assert scheduler_stalls(tmp_path, at("2026-12-02 15:18:45"), at("2026-12-02 15:18:50")) == [inside]

@@ -50,3 +50,9 @@ async def test_off_unless_the_environment_asks(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(loop_stalls.STALL_LOG_ENV, "two")
     with pytest.raises(ValueError, match="milliseconds"):
         loop_stalls.watch_from_env()
+
+
+def test_a_logged_stall_reads_back() -> None:
+    stall = Stall(12.3, 17.3, 2.5, 3.5, (loop_stalls.Collection(0, 0.0, 0.2), loop_stalls.Collection(2, 0.0, 9.8)))
+    assert Stall.parse(f"2026-12-02 15:18:46,941 WARNING tandem.stalls: {stall.describe()}") == stall
+    assert Stall.parse("2026-12-02 15:18:46,941 INFO tandem.scheduler: serving") is None
