@@ -24,8 +24,10 @@ given its first event or ended.
 A scheduler that dies once the generating worker has started the request (its stream has given an
 event; the Submit call breaks with UNAVAILABLE) takes nothing with it: that stream goes on to the
 request's end, and only a stream that then ends without its final event fails the request (no
-scheduler is left to say why). One that dies before fails it with UNAVAILABLE: the steps still to
-come (Run, the prefill and its KV hand-off) were the scheduler's calls, cut with it.
+scheduler is left to say why). One that dies before interrupts the relay with nothing delivered,
+as a lost worker does (`scheduler_lost` set): the steps still to come (Run, the prefill and its KV
+hand-off) were the scheduler's calls, cut with it, so the gateway closes the attempt (its workers
+drop it) and submits the continuation to the next scheduler.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Attempt:
         self._generator_cut: Unavailable | None = None  # the generator's stream ended before its final event
         self._generator_started = False  # the generator's stream gave an event
         self._generator_heard = asyncio.Event()  # it gave an event or ended
+        self.scheduler_lost = False  # the Submit call broke before the generator started: hand it over
 
     def start(self, open_stream: OpenStream) -> None:
         """Read the workers' streams into the relay, and watch the Submit call."""
@@ -160,8 +163,10 @@ class Attempt:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._generator_heard.wait(), STREAMS_GRACE_S)
             if not self._generator_started:
-                self._fail(Unavailable(f"request {self._relay.request_id}: its scheduler was lost before "
-                                       f"{self.placement.generator_address} started it; retry the request"))
+                self.scheduler_lost = True  # the next scheduler takes the request over, as a continuation
+                self._current = False
+                self._relay.interrupt(Unavailable(f"request {self._relay.request_id}: its scheduler was lost "
+                                                  f"before {self.placement.generator_address} started it"))
                 return
             log.warning("request %s: its scheduler was lost (%s); streaming on from %s", self._relay.request_id,
                         error.details(), self.placement.generator_address)

@@ -4,9 +4,12 @@ trace context, read the tokens from the workers it placed the request on, and tu
 
 A `Generation` is one request in flight: one attempt (attempt.py) at a time, the next one the
 continuation the scheduler places after the worker generating it was lost (the tokens delivered
-so far go with it; the relay goes on at the same offset). A Submit call that cannot reach its
-scheduler before the request is placed goes to the next one (upstream.py), round after round
-until the deadline. Leaving its iteration
+so far go with it; the relay goes on at the same offset), or after its scheduler was lost before
+the worker started it (the next scheduler places the continuation). A Submit call whose stream to
+its scheduler broke, or could not connect, before the request was placed goes to the next one
+(upstream.py), round after round until the deadline (as a continuation with nothing delivered
+when the stream had connected: the lost scheduler may have launched it, and its workers must not
+meet the same attempt id twice); a scheduler's own answer is final. Leaving its iteration
 early, or `close()`, cancels the attempt's calls, which aborts the request on whichever worker
 holds it. Its failures reach the client as client_errors words them; the upstream's own message
 goes to the log and the span.
@@ -128,6 +131,8 @@ class Generation:
                 return
             except Interrupted:
                 self._attempt.close()
+                if self._attempt.scheduler_lost:
+                    self._turn += 1  # the continuation goes to the next scheduler
                 self._submit.migration += 1
                 self._submit.delivered_token_ids[:] = self._relay.tokens
                 self._submit.sampling.seed = self._attempt.placement.seed
@@ -142,8 +147,10 @@ class Generation:
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or scheduler.reachable():
-                    raise
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not call.broke:
+                    raise  # the scheduler's own answer
+                if call.reached:  # it may have been launched before its placement came: a new attempt id
+                    self._submit.migration += 1
                 unreached += 1
                 self._turn += 1
                 if unreached % self._upstream.num_schedulers:

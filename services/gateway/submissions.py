@@ -8,8 +8,10 @@ and generation.py take the same outcomes as from a Submit call.
 Model: the stream opens on the first submission and again on the first one after it ended. Commands
 (submissions, cancels) and updates (events, ends) are batched as they become ready. When the stream
 ends or breaks, each submission still open on it fails with the stream's status (UNAVAILABLE when it
-ended without one), as its Submit call would have broken. Every read is bounded by the submission's
-timeout: past it, the submission is cancelled and fails with DEADLINE_EXCEEDED, as a call's deadline.
+ended without one), as its Submit call would have broken, and says so (`broke`; `reached` when the
+stream had connected, so the scheduler may have placed it before its placement came). Every read is
+bounded by the submission's timeout: past it, the submission is cancelled and fails with
+DEADLINE_EXCEEDED, as a call's deadline.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ class SubmitCall:
     """One submission on the stream, read as a Submit call. Call order: read() (or iterate) until
     EOF or an AioRpcError; cancel() at any time (a no-op once it ended)."""
 
-    __slots__ = ("call_id", "_stream", "_deadline", "_items", "_ended")
+    __slots__ = ("call_id", "broke", "reached", "_stream", "_deadline", "_items", "_ended")
 
     def __init__(self, call_id: int, stream: _Stream, timeout: float | None) -> None:
         self.call_id = call_id
+        self.broke = False  # it failed because its stream did (not the scheduler's own answer)
+        self.reached = False  # ... a stream that had connected: the scheduler may have placed it
         self._stream = stream
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._items: asyncio.Queue[_Item] = asyncio.Queue()
@@ -88,6 +92,7 @@ class SubmitCall:
 
     def broken(self, error: grpc.aio.AioRpcError) -> None:
         """The stream ended or broke with the submission still open."""
+        self.broke, self.reached = not self._ended, self._stream.connected
         self._end(error)
 
     def _end(self, item: _Item) -> None:
@@ -101,6 +106,7 @@ class _Stream:
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, metadata: _Metadata) -> None:
         self.open = True
+        self.connected = False  # the call reached the scheduler
         self._calls: dict[int, SubmitCall] = {}
         self._commands: list[scheduler_pb2.SubmitCommand] = []
         self._wake = asyncio.Event()
@@ -141,6 +147,8 @@ class _Stream:
     async def _read(self) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the Submissions stream")
         try:
+            await self._call.wait_for_connection()
+            self.connected = True
             async for message in self._call:
                 for update in message.updates:
                     call = self._calls.get(update.call_id)

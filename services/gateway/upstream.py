@@ -4,9 +4,9 @@ they place requests on, whose token streams it reads.
 Requests go to schedulers by their leading prefix (replica_choice.py), each request on its scheduler's one Submissions
 stream (submissions.py); each scheduler keeps its own requests (their queue,
 reservations and accounting), so a request stays with the scheduler that placed it, its
-continuations included, unless that one cannot be reached. A call that found its scheduler's
-channel without a connection never reached it, and may go to the next one; a call that reached
-it has the scheduler's own answer. Worker channels are opened on first use, one per address, and
+continuations included, unless that one cannot be reached or is lost. A submission whose
+stream to its scheduler broke or never connected goes to the next one; one the scheduler
+answered has its own answer. Worker channels are opened on first use, one per address, and
 carry the tokens of all the gateway's requests on that worker on one call (follow.py).
 With a `stream_interval` above 1, a worker's stream sends the first token at once and then
 messages of at least that many tokens (fewer messages to read and chunks to send, per token).
@@ -28,8 +28,8 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_
 
 @dataclass(frozen=True, slots=True)
 class SchedulerLink:
-    """One scheduler: its stub, the stream its requests ride, and the channel that says whether a
-    call could reach it."""
+    """One scheduler: its stub, the stream its requests ride, and the channel that says whether it
+    is failing."""
 
     stub: scheduler_pb2_grpc.SchedulerServiceStub
     channel: grpc.aio.Channel
@@ -45,10 +45,6 @@ class SchedulerLink:
         """Submit the request on the scheduler's Submissions stream; read it as its Submit call."""
         return self.submissions.submit(request, timeout=timeout, metadata=metadata)
 
-    def reachable(self) -> bool:
-        """False while the channel has no connection (a failed call did not reach the scheduler)."""
-        return self.channel.get_state() == grpc.ChannelConnectivity.READY
-
     def failing(self) -> bool:
         """True while the channel's last attempt to connect failed (the scheduler is down or restarting)."""
         return self.channel.get_state() in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
@@ -57,7 +53,7 @@ class SchedulerLink:
 
 class Upstream:
     """Call order: first_turn(request) per request, scheduler(turn) for each Submit (turn + 1 after one
-    that could not reach its scheduler), stream() for the workers' tokens; close() last."""
+    whose stream to its scheduler broke), stream() for the workers' tokens; close() last."""
 
     def __init__(self, schedulers: Sequence[grpc.aio.Channel],
                  open_channel: Callable[[str], grpc.aio.Channel] = internal_channel, stream_interval: int = 1) -> None:

@@ -112,8 +112,9 @@ class WorkerRuntime:
         self._waiters = RequestWaiters()
         self.blocks = BlockReporter(schedulers[0] if schedulers and report_blocks else None, identity.worker_id,
                                     metadata)
-        self.reporters = [TokenReporter(channel, identity.worker_id, metadata, on_lost=self._on_lost)
-                          for channel in schedulers]
+        self.reporters = [TokenReporter(channel, identity.worker_id, metadata,
+                                        on_lost=functools.partial(self._on_lost, seat))
+                          for seat, channel in enumerate(schedulers)]
         # A Prefill call returns once its blocks are applied (a ReportBlocks call), so the scheduler
         # routes the next request on them; other roles' block changes ride their token stream.
         self._blocks_on_stream = identity.role != common_pb2.WORKER_ROLE_PREFILL
@@ -456,22 +457,25 @@ class WorkerRuntime:
         asyncio.ensure_future(self.abort([request_id], dropped="no gateway reads its tokens (its reader left, "
                                                               "or never attached)"))
 
-    def _on_lost(self) -> None:
+    def _on_lost(self, seat: int) -> None:
         self.blocks.stream_lost()
-        asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream"))
+        placer = self._placer_at(seat) if len(self.reporters) > 1 else None
+        asyncio.ensure_future(self._abort_unread("the scheduler lost this worker's token stream", placer))
 
-    async def _abort_unread(self, reason: str, among: Container[str] | None = None) -> None:
+    async def _abort_unread(self, reason: str, placer: str | None, among: Container[str] | None = None) -> None:
         """A scheduler failed this worker's requests (its token-report stream broke, or it forgot the
         worker): the ones a gateway reads go on, since their tokens do not pass through a scheduler
-        (another one, or this one back, accounts for their end). With one scheduler the ones nobody
-        reads yet are dropped, each reported (a scheduler that had not failed it, as one that still held
-        another stream of this worker, hears it end); with several, this worker cannot tell which one
-        placed them, so they stay, and one whose gateway never attaches is given up after the attach
-        window. `among`: only these of the requests held (default: all)."""
-        if len(self.reporters) > 1:
+        (another one, or this one back, accounts for their end). The ones nobody reads yet are dropped,
+        each reported (a scheduler that had not failed it, as one that still held another stream of
+        this worker, hears it end): all of them with one scheduler (`placer` None); with several, those
+        the one named `placer` placed (their gateways hand them to another: services/gateway/attempt.py),
+        and none when it is "" (unknown): those stay, given up after the attach window if no gateway
+        comes. `among`: only these of the requests held (default: all)."""
+        if placer == "":
             return
         ids = [rid for rid in self._request_ids()
-               if (among is None or rid in among) and not self.streams.attached(rid)]
+               if (among is None or rid in among) and not self.streams.attached(rid)
+               and (placer is None or ((tracked := self.batcher.requests.get(rid)) and tracked.placer == placer))]
         if ids:
             log.warning("aborting %d request(s) no gateway reads: %s", len(ids), reason)
             await self.abort(ids, dropped=reason)
@@ -483,10 +487,17 @@ class WorkerRuntime:
         out its deadline: the scheduler, which placed it, is never told)."""
         self._expired_ids.update(self._request_ids())
 
+    def _placer_at(self, seat: int) -> str:
+        """The id scheduler `seat` names itself by (its last RegisterWorker answer's); "" while unknown."""
+        registration = self.registrations[seat] if seat < len(self.registrations) else None
+        return registration.response.scheduler_id if registration and registration.response else ""
+
     async def _on_reregistered(self, reporter: TokenReporter, response: scheduler_pb2.RegisterWorkerResponse) -> None:
         expired, self._expired_ids = self._expired_ids, set()
         await self.apply_policy(response.policy)
-        await self._abort_unread("the scheduler had expired this worker", among=expired)
+        # With several schedulers, which one placed each request held when forgotten is not kept: none dropped.
+        await self._abort_unread("the scheduler had expired this worker", None if len(self.reporters) <= 1 else "",
+                                 among=expired)
         reporter.announce()
         await self.blocks.reset()
 

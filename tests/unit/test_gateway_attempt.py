@@ -12,7 +12,7 @@ import pytest
 from services.common.errors import TandemError, Unavailable
 from services.gateway.attempt import Attempt
 from services.gateway.follow import StreamConsumer
-from services.gateway.relay import Relay
+from services.gateway.relay import Interrupted, Relay
 from tandem.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 GENERATOR = "127.0.0.1:1"
@@ -197,17 +197,20 @@ async def test_a_first_token_that_ends_the_request_on_the_prefill_stream_ends_it
 
 
 @pytest.mark.parametrize("stream_end", [grpc.aio.EOF, None])
-async def test_a_break_while_the_generator_never_started_fails_unavailable(monkeypatch, stream_end) -> None:
+async def test_a_break_while_the_generator_never_started_hands_the_request_over(monkeypatch, stream_end) -> None:
+    """The scheduler was lost before the worker started the request: the relay is interrupted with
+    nothing delivered, and the attempt says its scheduler was lost (the next one takes it over)."""
     monkeypatch.setattr("services.gateway.attempt.STREAMS_GRACE_S", 0.05)
     relay = Relay("r")
     submit, stream, attempt = started(relay)
     if stream_end is not None:
         stream.give(stream_end)  # ended without an event; else silent past the grace
     submit.give(status(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
-    tokens, error = await read_all(relay)
-    assert tokens == []
-    assert isinstance(error, Unavailable) and error.message == (
-        f"request r: its scheduler was lost before {GENERATOR} started it; retry the request")
+    with pytest.raises(Interrupted) as interrupted:
+        await read_all(relay)
+    assert interrupted.value.offset == 0 and interrupted.value.error.message == (
+        f"request r: its scheduler was lost before {GENERATOR} started it")
+    assert attempt.scheduler_lost
     attempt.close()
 
 
