@@ -34,8 +34,8 @@ def test_paced_hops_are_read_per_request_from_every_services_spans(tmp_path: Pat
 
 
 def test_the_scheduler_stalls_of_a_window_are_read_from_its_logs(tmp_path: Path) -> None:
-    inside = Stall(12.3, 17.3, 2.5, 3.5, (Collection(2, 0.0, 9.8),))
-    outside = Stall(40.0, 45.0, 1.0, 1.0, ())
+    inside = Stall(12.3, 17.3, 2.5, 3.5, 8.1, (Collection(2, 0.0, 9.8),))
+    outside = Stall(40.0, 45.0, 1.0, 1.0, 0.0, ())
     (tmp_path / "scheduler.log").write_text(
         f"2026-12-02 15:18:40,000 WARNING tandem.stalls: {outside.describe()}\n"
         "2026-12-02 15:18:46,000 INFO tandem.scheduler: serving\n"

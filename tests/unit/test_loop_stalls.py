@@ -31,6 +31,7 @@ async def test_a_blocked_loop_is_reported_with_its_length_and_little_cpu() -> No
     assert stall.window_ms >= 50
     assert stall.cpu_ms < stall.window_ms / 2  # sleeping: the thread waited, it did not compute
     assert "woke" in stall.describe() and "process CPU" in stall.describe()
+    assert stall.queued_ms < stall.window_ms / 2  # it slept: it was not waiting for a core all along
 
 
 async def test_a_collection_in_the_stall_is_named() -> None:
@@ -53,6 +54,7 @@ async def test_off_unless_the_environment_asks(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_logged_stall_reads_back() -> None:
-    stall = Stall(12.3, 17.3, 2.5, 3.5, (loop_stalls.Collection(0, 0.0, 0.2), loop_stalls.Collection(2, 0.0, 9.8)))
+    stall = Stall(12.3, 17.3, 2.5, 3.5, 8.1,
+                  (loop_stalls.Collection(0, 0.0, 0.2), loop_stalls.Collection(2, 0.0, 9.8)))
     assert Stall.parse(f"2026-12-02 15:18:46,941 WARNING tandem.stalls: {stall.describe()}") == stall
     assert Stall.parse("2026-12-02 15:18:46,941 INFO tandem.scheduler: serving") is None
