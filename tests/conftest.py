@@ -42,7 +42,8 @@ def parity_prompts(default_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def parity_references(default_model_dir, parity_prompts) -> list[Reference]:
-    """HF transformers' greedy output for each parity prompt (torch is imported only here)."""
-    from tests.hf_reference import MAX_NEW_TOKENS, reference_outputs
+    """HF transformers' greedy output for each parity prompt, computed once per cache (tests/hf_reference.py
+    says why; torch is imported only here)."""
+    from tests.hf_reference import MAX_NEW_TOKENS, cached_reference_outputs
 
-    return reference_outputs(default_model_dir, parity_prompts, MAX_NEW_TOKENS)
+    return cached_reference_outputs(default_model_dir, parity_prompts, MAX_NEW_TOKENS)

@@ -7,10 +7,15 @@ position, so a comparison can tell a real divergence from a near-tie (top two lo
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from services.common.paths import tandem_home
 
 NEAR_TIE = 1e-3
 
@@ -62,6 +67,33 @@ def reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens:
             tokens = out.sequences[0, len(ids):].tolist()
             references.append(Reference(ids, tokens, [step[0].float().cpu() for step in out.logits]))
     return references
+
+
+def cached_reference_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    """`reference_outputs` in float32 on the CPU, kept under $TANDEM_HOME/hf-references once computed.
+
+    A session fixture is computed inside whichever test first asks for it, so its cost counts against
+    that test's timeout: the parity prompts' references took 162 s on a 2-core machine at load 10,
+    past a 300-s mark once the test's own work was added, and the fixture's error then failed every
+    later test that used it. The key holds everything the answer depends on: the model files (name,
+    size, mtime), the prompts, the length, and the torch and transformers versions."""
+    path = tandem_home() / "hf-references" / f"{_reference_key(model_dir, prompts, max_new_tokens)}.pt"
+    if path.exists():
+        return [Reference(**fields) for fields in torch.load(path)]
+    references = reference_outputs(model_dir, prompts, max_new_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # sessions computing it at once never clash
+    torch.save([dataclasses.asdict(reference) for reference in references], partial)
+    os.replace(partial, path)
+    return references
+
+
+def _reference_key(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> str:
+    import transformers
+
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir() if f.is_file())
+    identity = (str(model_dir.resolve()), files, prompts, max_new_tokens, torch.__version__, transformers.__version__)
+    return hashlib.sha256(repr(identity).encode()).hexdigest()[:32]
 
 
 def first_divergence(got: list[int], ref: Reference) -> int | None:
