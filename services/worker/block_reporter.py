@@ -105,6 +105,12 @@ class BlockReporter:
         self._changed_at = None
         return True
 
+    def report_to(self, channel: grpc.aio.Channel) -> None:
+        """ReportBlocks goes to this scheduler from now on (another replica, when the one it went to
+        was lost); nothing changes for a worker that reports no blocks."""
+        if self._stub is not None:
+            self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
     def resend_soon(self) -> None:
         """Start the full resend, with the changes after it, when one is due (`stream_lost`)."""
         if self._needs_reset:

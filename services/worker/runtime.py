@@ -85,8 +85,8 @@ class WorkerRuntime:
     may place a request here, and each must keep listing it when another dies; one of them writes
     each heartbeat to the store they share (store_renewal.py). A request's start and end go to the
     replica that placed it (services/common/placer.py), or to every one when the worker cannot tell
-    which. Its prefix-cache changes go to the first one (the replicas share the index through the
-    store). With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
+    which. Its prefix-cache changes go to the first one whose report stream is up (the replicas share
+    the index through the store). With no scheduler channel (standalone, for tests and benchmarks) nothing is registered or
     reported; the worker still serves its RPCs.
     """
 
@@ -119,6 +119,7 @@ class WorkerRuntime:
         # routes the next request on them; other roles' block changes ride their token stream.
         self._blocks_on_stream = identity.role != common_pb2.WORKER_ROLE_PREFILL
         self._schedulers = list(schedulers)
+        self._block_seat = 0  # the scheduler the prefix-cache changes go to: see _block_carrier
         self._metadata = metadata
         self.registrations: list[Registration] = []  # once the primary model is loaded: see start
         self._expired_ids: set[str] = set()  # held when a scheduler forgot this worker: see _on_forgotten
@@ -406,26 +407,38 @@ class WorkerRuntime:
                 blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
         """A step's batch (None: the step started and ended nothing), each event to the scheduler that
         placed its request (`placers`, in the events' order; one not known here, to every scheduler),
-        with the pending prefix-cache changes on the first scheduler's, which takes the block reports.
+        with the pending prefix-cache changes on the batch of the scheduler that takes the block reports.
         Changes with no batch to ride wait up to `blocks_wait_s` for one, then go alone; a prefill
         worker's go by ReportBlocks, and so do all while a full resend is due."""
         batches = self._per_scheduler(report, placers)
-        first = batches[0] if batches else None
+        seat = self._block_carrier()
+        first = batches[seat] if batches else None
         carrier = first if first is not None else scheduler_pb2.TokenBatch()
         if not (self.reporters and self._blocks_on_stream):
             self.blocks.flush_soon()
         elif self.blocks.attach(carrier, 0.0 if first is not None else blocks_wait_s):
-            batches[0] = carrier
+            batches[seat] = carrier
         else:
             self.blocks.resend_soon()
         for reporter, batch in zip(self.reporters, batches, strict=True):
             if batch is not None:
                 reporter.send(batch)
 
+    def _block_carrier(self) -> int:
+        """The scheduler that takes the prefix-cache changes (the replicas share the index through the
+        store): the first whose token-report stream is up, the first while none is. ReportBlocks calls
+        follow it, so a replica that died takes the reports with it no longer (the stream's loss made
+        the next report a full resend)."""
+        seat = next((s for s, reporter in enumerate(self.reporters) if reporter.connected.is_set()), 0)
+        if seat != self._block_seat:
+            self._block_seat = seat
+            self.blocks.report_to(self._schedulers[seat])
+        return seat
+
     def _per_scheduler(self, report: scheduler_pb2.TokenBatch | None,
                        placers: Sequence[str]) -> list[scheduler_pb2.TokenBatch | None]:
-        """The report's events split by the scheduler to send them to, one batch (or None) per reporter:
-        the first one's batch is its own object (the block changes ride it); with one scheduler, all."""
+        """The report's events split by the scheduler to send them to, one batch (or None) per reporter,
+        each its own object (the block changes ride one); with one scheduler, all."""
         if report is None or len(self.reporters) <= 1:
             return [report] * len(self.reporters)
         ids = [registration.response.scheduler_id if registration.response is not None else ""

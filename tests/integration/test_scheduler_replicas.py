@@ -110,7 +110,9 @@ def test_a_killed_scheduler_s_streaming_requests_stream_on_and_its_queued_ones_m
     first replica is SIGKILLed once its 2 running requests have streamed a token: those stream on from
     the worker to their end (the other replica never sees them), and its 2 queued ones, whose
     Submissions stream broke, go to the other replica at once, as continuations with nothing delivered
-    (migration 1: a new attempt id on the workers). All 8 complete token-exact."""
+    (migration 1: a new attempt id on the workers). All 8 complete token-exact, and the worker's block
+    reports, which rode the first replica's stream, go to the other: a moved prompt sent again finds
+    its block in the index."""
     spec = SimSpec(role="colocated", count=1, step_ms=40.0, kv_blocks=512)
     with killed_first_replica(tmp_path, redis_server, default_model_dir, spec, started=True) as run:
         assert run.placed_started == run.placed
@@ -119,6 +121,7 @@ def test_a_killed_scheduler_s_streaming_requests_stream_on_and_its_queued_ones_m
     assert (run.after.submitted, run.after.migrated, run.after.completed) == (4, 2, 6)
     assert run.worker_ends == {**{r: "length" for r in run.others | run.placed},
                                **{f"{r}#migrated-1": "length" for r in run.first - run.placed}}
+    assert run.matched_again == 1  # its 31-token prompt's one full block
 
 
 def test_a_killed_scheduler_s_requests_not_started_yet_move_to_the_other_as_continuations(
@@ -136,6 +139,7 @@ def test_a_killed_scheduler_s_requests_not_started_yet_move_to_the_other_as_cont
     assert (run.after.submitted, run.after.migrated, run.after.completed) == (4, 4, 8)
     assert run.worker_ends == {**{r: "length" for r in run.others}, **{r: "abort" for r in run.placed},
                                **{f"{r}#migrated-1": "length" for r in run.first}}
+    assert run.matched_again == 1
 
 
 @dataclass
@@ -151,6 +155,7 @@ class KilledReplicaRun:
     routes_after: list[str] = field(default_factory=list)  # the second replica's routes, sorted
     after: scheduler_pb2.SchedulerStats | None = None  # the second replica's, once all ended
     worker_ends: dict[str, str] = field(default_factory=dict)  # attempt id -> how it ended on the worker
+    matched_again: int = -1  # prefix blocks the second replica found for a moved request's prompt, sent again
 
 
 @contextlib.contextmanager
@@ -189,6 +194,12 @@ def killed_first_replica(tmp_path: Path, redis_server: RedisServer, model: Path,
         run.routes_after = sorted(route.request_id for route in run.after.recent_routes)
         run.worker_ends = wait_until(lambda: len(ends := worker_ends(cluster)) == 8 + len(run.placed) * (not started)
                                      and ends, "the worker's span of every attempt ended")
+        # Its prompt was computed after the kill: its blocks reached the index only if the worker's
+        # block reports moved to the replica left.
+        moved = ids.index(min(run.first - run.placed))
+        generate_as(cluster, "again", prompts[moved][1], 1, [])
+        (route,) = replica_stats(cluster, 1, recent_routes=1).recent_routes
+        run.matched_again = route.matched_prefix_blocks if route.request_id == "again" else -1
         assert len(run.placed) == 2 and run.placed < run.first
     finally:
         cluster.stop()

@@ -2,6 +2,7 @@
 (services/common/placer.py, services/worker/store_renewal.py):
 - a request's first and final events go to the replica that placed it, named on the scheduler's
   calls; a request no known replica placed goes to every one;
+- the block changes go to one replica: the first whose report stream is up;
 - every replica hears every heartbeat, but one writes it to the store they share; while its
   heartbeats fail the next one does, and the others keep the worker live from their own mirror.
 """
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import grpc
 from opentelemetry import trace
 
+from services.common.block_hash import BlockHash
 from services.common.placer import PLACER_KEY, placer_of
 from services.common.store import EmbeddedStore, WorkerInfo, WorkerLoad, WorkerRole
 from services.runtime.engine import RequestOutput
@@ -64,6 +66,7 @@ def test_the_batcher_gives_each_reported_event_its_placer() -> None:
 class Recorder:
     def __init__(self) -> None:
         self.batches: list[scheduler_pb2.TokenBatch] = []
+        self.connected = asyncio.Event()  # as TokenReporter's: its stream is up
 
     def send(self, batch: scheduler_pb2.TokenBatch) -> None:
         self.batches.append(batch)
@@ -85,6 +88,33 @@ async def test_each_event_goes_to_the_replica_that_placed_its_request_and_an_unk
         assert [(b.iteration, b.batch_size) for r in runtime.reporters for b in r.batches] == [(7, 4), (7, 4)]
         runtime._report(scheduler_pb2.TokenBatch(events=[scheduler_pb2.TokenEvent(request_id="of-b")]), ("b",))
         assert [len(r.batches) for r in runtime.reporters] == [1, 2]  # nothing for a
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+
+
+async def test_the_block_changes_ride_the_first_replica_whose_stream_is_up() -> None:
+    """The replicas share the prefix index through the store, so one takes the worker's block changes:
+    the first, and once its stream broke (it died), the next one up."""
+    channels = [open_channel("127.0.0.1:1"), open_channel("127.0.0.1:2")]
+    runtime = WorkerRuntime(WorkerIdentity("w", common_pb2.WORKER_ROLE_COLOCATED, "127.0.0.1:3", "m", "cpu"),
+                            ModelPlan({"m": 1}, 1), make_engine=None, schedulers=channels)
+    try:
+        runtime.reporters = [Recorder(), Recorder()]
+        runtime.registrations = [SimpleNamespace(response=scheduler_pb2.RegisterWorkerResponse(scheduler_id=name))
+                                 for name in ("a", "b")]
+        for reporter in runtime.reporters:
+            reporter.connected.set()
+
+        def report_of_b(stored: str) -> None:
+            runtime.blocks.note("m", [BlockHash(stored)], [])
+            runtime._report(scheduler_pb2.TokenBatch(events=[scheduler_pb2.TokenEvent(request_id="of-b")]), ("b",),
+                            blocks_wait_s=0.0)
+
+        report_of_b("b1")
+        runtime.reporters[0].connected.clear()  # the first replica's stream broke
+        report_of_b("b2")
+        assert [[(list(b.stored_blocks), [e.request_id for e in b.events]) for b in r.batches]
+                for r in runtime.reporters] == [[(["b1"], [])], [([], ["of-b"]), (["b2"], ["of-b"])]]
     finally:
         await asyncio.gather(*(channel.close() for channel in channels))
 
