@@ -1,6 +1,7 @@
 """A streamed HTTP response as server-sent events: one `data: {json}` event per chunk with
 something to show, the usage chunk when asked, and the `data: [DONE]` sentinel that ends every
-stream, a failed one included (after one error event in the OpenAI error shape).
+stream, a failed one included (after one error event in the OpenAI error shape). The usage or
+error event, the sentinel and the end of the HTTP body go out in one write.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ class SseResponse(StreamingResponse):
     The start message goes through the middleware (it adds the request and trace ids); the body's
     events go straight to the HTTP server's send when the scope carries it (SERVER_SEND), past the
     middleware's send wrappers, which act on the start message alone: one event a token makes
-    that path a part of each event's cost. The client leaving is watched beside the body, as
-    Starlette's StreamingResponse does, without its task group."""
+    that path a part of each event's cost. A chunk that ends with the [DONE] sentinel (events()
+    makes it the last) ends the body in the same write. The client leaving is watched beside the
+    body, as Starlette's StreamingResponse does, without its task group."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type=MEDIA_TYPE, headers={"cache-control": "no-cache"})
@@ -101,9 +103,12 @@ class SseResponse(StreamingResponse):
     async def _stream(self, send: Send, body_send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            ended = False
             async for chunk in self.body_iterator:
-                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+                ended = chunk.endswith(DONE)  # the sentinel, always last, ends the body in its own write
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await body_send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             raise ClientDisconnect() from None  # as Starlette's: the client is gone
 
@@ -130,11 +135,10 @@ async def events(shaper: ResponseShaper, choices: ChoiceSet, n: int, include_usa
             payload = shaper.chunk(index, chunk)
             if payload is not None:
                 yield event(payload)
-        if include_usage:
-            yield event(shaper.usage_chunk([usages[index] for index in sorted(usages)]))
+        tail = event(shaper.usage_chunk([usages[index] for index in sorted(usages)])) if include_usage else b""
     except TandemError as error:
-        yield event(error_payload(error)[1])
+        tail = event(error_payload(error)[1])
     except Exception:
         log.exception("stream of %s failed", shaper.response_id)
-        yield event(error_body(500, "internal error while streaming; see the gateway's log", None, "internal_error"))
-    yield DONE
+        tail = event(error_body(500, "internal error while streaming; see the gateway's log", None, "internal_error"))
+    yield tail + DONE

@@ -11,7 +11,7 @@ import pytest
 
 from services.gateway.openai_responses import ChatShaper, CompletionShaper, ResponseShaper
 from services.gateway.output import Chunk
-from services.gateway.sse import DONE, SERVER_SEND, SseResponse, TextTemplates, event
+from services.gateway.sse import DONE, SERVER_SEND, SseResponse, TextTemplates, event, events
 from services.gateway.tools import FunctionDefinition, Tool, ToolPlan
 from tandem.v1 import common_pb2
 
@@ -95,15 +95,57 @@ async def test_the_start_goes_through_the_app_and_the_events_to_the_server() -> 
     assert [message["type"] for message in through_app] == ["http.response.start"]
     assert (b"content-type", b"text/event-stream; charset=utf-8") in through_app[0]["headers"]
     assert [(message["body"], message["more_body"]) for message in to_server] == \
-        [(b"data: 1\n\n", True), (DONE, True), (b"", False)]
+        [(b"data: 1\n\n", True), (DONE, False)]  # the sentinel's write ends the body
+    assert closed == ["closed"]
+
+
+async def test_a_body_that_does_not_end_with_the_sentinel_is_ended_by_an_empty_message() -> None:
+    _, to_server, closed = await _stream_with(True, [b"data: 1\n\n", b"data: 2\n\n"])
+    assert [(message["body"], message["more_body"]) for message in to_server] == \
+        [(b"data: 1\n\n", True), (b"data: 2\n\n", True), (b"", False)]
     assert closed == ["closed"]
 
 
 async def test_without_the_servers_send_every_message_goes_through_the_app() -> None:
     through_app, to_server, closed = await _stream_with(False, [DONE])
-    assert [message["type"] for message in through_app] == ["http.response.start", "http.response.body",
-                                                            "http.response.body"]
+    assert [(message["type"], message.get("more_body")) for message in through_app] == \
+        [("http.response.start", None), ("http.response.body", False)]
     assert to_server == [] and closed == ["closed"]
+
+
+class _Choices:
+    """A ChoiceSet's chunks() over given chunks, then a failure when given one."""
+
+    def __init__(self, chunks: list[Chunk], failure: Exception | None = None) -> None:
+        self._chunks = chunks
+        self._failure = failure
+
+    async def chunks(self):
+        for chunk in self._chunks:
+            yield 0, chunk
+        if self._failure is not None:
+            raise self._failure
+
+
+async def _body(choices: _Choices, include_usage: bool) -> list[bytes]:
+    shaper = CompletionShaper("cmpl-1", 1700000000, "m", token_text, with_logprobs=False)
+    return [item async for item in events(shaper, choices, 1, include_usage)]  # type: ignore[arg-type]
+
+
+async def test_the_usage_event_and_the_sentinel_are_one_chunk_after_the_text() -> None:
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=2)
+    chunks = [Chunk([1], "Hi"), Chunk([2], "!", finish_reason="length", usage=usage)]
+    body = await _body(_Choices(chunks), include_usage=True)
+    shaper = CompletionShaper("cmpl-1", 1700000000, "m", token_text, with_logprobs=False)
+    assert body == [event(shaper.chunk(0, chunks[0])), event(shaper.chunk(0, chunks[1])),
+                    event(shaper.usage_chunk([usage])) + DONE]
+    assert (await _body(_Choices(chunks), include_usage=False))[2:] == [DONE]
+
+
+async def test_a_failure_is_one_error_event_joined_to_the_sentinel() -> None:
+    body = await _body(_Choices([Chunk([1], "Hi")], RuntimeError("bug")), include_usage=True)
+    assert len(body) == 2 and body[1].endswith(DONE) and body[1].count(b"data: ") == 2
+    assert json.loads(body[1].removesuffix(DONE)[len(b"data: "):])["error"]["code"] == "internal_error"
 
 
 async def test_a_client_that_leaves_ends_the_body_and_closes() -> None:
