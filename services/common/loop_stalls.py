@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,10 +68,14 @@ class Stall:
 
 
 class CollectionTimes:
-    """gc.callbacks entry timing each collection; keeps the last `keep`."""
+    """gc.callbacks entry timing each collection; keeps the last `keep`. A collection may run on any
+    thread, between two steps of since() on the loop's: each one replaces the tuple rather than
+    changing it, so since() reads one whole tuple (a deque appended to meanwhile raised RuntimeError,
+    which ended the probe)."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._recent: deque[Collection] = deque(maxlen=keep)
+        self._keep = keep
+        self._recent: tuple[Collection, ...] = ()
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
@@ -80,7 +83,8 @@ class CollectionTimes:
         if phase == "start":
             self._started = now
         else:
-            self._recent.append(Collection(info["generation"], self._started, (now - self._started) * 1e3))
+            collection = Collection(info["generation"], self._started, (now - self._started) * 1e3)
+            self._recent = (*self._recent, collection)[-self._keep:]
 
     def since(self, start: float) -> tuple[Collection, ...]:
         return tuple(c for c in self._recent if c.start >= start)
