@@ -14,6 +14,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 DEADLINE_S = 30.0
+# The bound on a service process's start (python and torch imports, a model or tokenizer load), which
+# a loaded machine stretches most: at load 14 on 2 cores one took over 90 s from spawn to SERVING.
+START_S = 240.0
 _POLL_S = 0.02
 
 

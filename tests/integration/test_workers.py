@@ -28,7 +28,7 @@ from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, schedul
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.assign import assign
 from tests.hf_reference import LONG_PREFIX, MAX_NEW_TOKENS, assert_matches
-from tests.waiting import wait_until
+from tests.waiting import DEADLINE_S, START_S, wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -40,6 +40,8 @@ BLOCK_BYTES = 737_280  # one block, all layers
 LAYER_BLOCK_BYTES = BLOCK_BYTES // NUM_LAYERS
 TANDEM = Path(sys.executable).parent / "tandem"
 GREEDY = dict(temperature=0.0)
+RPC_S = DEADLINE_S  # the bound on a worker's answer to a call, reached only by one that never answers (was 5 s:
+# a prefill worker computing a prompt at load 12 answered an Abort after more than that)
 POLICY = scheduler_pb2.BatchPolicy(chunk_size=256)  # the workers' flag says 512
 
 
@@ -145,8 +147,14 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         events = self.events(request_id)
         return events if any(e.finish_reason for e in events) else []
 
-    def stream(self, request_id: str, timeout: float = 60) -> list[scheduler_pb2.TokenEvent]:
-        return self.wait(lambda: self.finished(request_id), timeout, f"the last token of {request_id}")
+    def stream(self, request_id: str, silence: float = DEADLINE_S) -> list[scheduler_pb2.TokenEvent]:
+        """The request's events once its final one arrived; TimeoutError once `silence` seconds pass with
+        no new one (a request that stopped: a loaded machine only slows one, 93 s for 48 tokens at load 15)."""
+        while not (events := self.finished(request_id)):
+            heard = len(self.events(request_id))
+            self.wait(lambda: self.finished(request_id) or len(self.events(request_id)) > heard, silence,
+                      f"event {heard} of {request_id}")
+        return events
 
 
 def tokens_of(events: list[scheduler_pb2.TokenEvent]) -> list[int]:
@@ -195,11 +203,11 @@ class Worker:
     def stats(self) -> worker_pb2.WorkerStats:
         stub = {"prefill": worker_pb2_grpc.PrefillServiceStub, "decode": worker_pb2_grpc.DecodeServiceStub,
                 "colocated": worker_pb2_grpc.ColocatedServiceStub}[self.role](self.channel)
-        return stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=5)
+        return stub.Stats(worker_pb2.WorkerStatsRequest(), timeout=RPC_S)
 
     def metric(self, name: str) -> float:
         """The value of one sample of the worker's /metrics page, e.g. 'tandem:kv_transfer_bytes_total'."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=RPC_S) as response:
             page = response.read().decode()
         values = [line.rsplit(" ", 1)[1] for line in page.splitlines() if line.startswith(name + "{")]
         assert len(values) == 1, f"{name}: {values}"
@@ -226,7 +234,7 @@ def spawn_worker(role: str, scheduler: str, tmp: Path, *extra: str) -> Worker:
     return Worker(role, f"127.0.0.1:{port}", process, log, metrics_port)
 
 
-def wait_serving(worker: Worker, timeout: float = 90) -> None:
+def wait_serving(worker: Worker, timeout: float = START_S) -> None:
     try:
         wait_until_serving(worker.address, timeout)
     except TimeoutError as exc:
@@ -276,7 +284,8 @@ def sampling(**fields) -> common_pb2.SamplingParams:
 
 
 def reserve(mesh: Mesh, rid: str, prompt: list[int]) -> worker_pb2.ReserveResponse:
-    return mesh.decode_stub().Reserve(worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1), timeout=5)
+    request = worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1)
+    return mesh.decode_stub().Reserve(request, timeout=RPC_S)
 
 
 def prefill(mesh: Mesh, rid: str, prompt: list[int], reservation: worker_pb2.ReserveResponse | None,
@@ -330,7 +339,7 @@ def test_workers_register_and_heartbeat_with_their_load(mesh):
         assert (info.num_blocks, info.block_size, info.kv_block_bytes) == (NUM_BLOCKS, BLOCK_SIZE, BLOCK_BYTES)
         assert (info.max_model_len, info.device) == (8192, "cpu")
         assert info.load.free_blocks == NUM_BLOCKS
-    load = recorder.wait(lambda: recorder.loads.get(mesh.decode.worker_id), 5, "a decode heartbeat")
+    load = recorder.wait(lambda: recorder.loads.get(mesh.decode.worker_id), DEADLINE_S, "a decode heartbeat")
     assert load.free_blocks == NUM_BLOCKS
     # Each token stream opens with an empty batch naming its worker.
     hellos = {b.worker_id for b in recorder.batches if not b.events}
@@ -376,7 +385,8 @@ def test_disaggregated_greedy_matches_hf(mesh, parity_prompts, parity_references
             # decode worker freed it first: the layers streamed meanwhile came on a push that was cancelled)
             assert response.finish_reason == final.finish_reason and response.transfer.chunks == 0
             release = worker_pb2.ReleaseRequest(request_id=rid)
-            assert mesh.decode_stub().Release(release, timeout=5).released_blocks in (0, blocks_for(len(prompt) + 1))
+            released = mesh.decode_stub().Release(release, timeout=RPC_S).released_blocks
+            assert released in (0, blocks_for(len(prompt) + 1))
         assert final.usage == common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=response.cached_tokens,
                                                completion_tokens=len(tokens))
         assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -391,8 +401,8 @@ def test_disaggregated_greedy_matches_hf(mesh, parity_prompts, parity_references
     for rid, prompt in zip(rids, parity_prompts):
         tokens = tokens_of(mesh.recorder.events(rid))
         decoded = sorted({1, len(tokens) - 1}) if len(tokens) > 1 else []
-        assert mesh.recorder.wait(lambda: mesh.recorder.reported(mesh.decode.worker_id, rid) == decoded or None, 5,
-                                  f"the decode worker's reports of {rid}")
+        assert mesh.recorder.wait(lambda: mesh.recorder.reported(mesh.decode.worker_id, rid) == decoded or None,
+                                  DEADLINE_S, f"the decode worker's reports of {rid}")
         assert mesh.recorder.reported(mesh.prefill.worker_id, rid) == [0]
     decode_batches = [b for b in mesh.recorder.batches if b.worker_id == mesh.decode.worker_id and b.events]
     assert all(len({e.request_id for e in b.events}) == len(b.events) for b in decode_batches)
@@ -415,7 +425,7 @@ def test_first_token_that_ends_the_request_ships_no_kv(mesh, parity_prompts):
     assert response.first_logprob == event.logprobs[0]
     # The push opened while the prompt computed (layer-pipelined) and was cut by the ending token: the
     # decode worker frees the reservation on that cut or on this Release, whichever reaches it first.
-    released = mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="one-token"), timeout=5)
+    released = mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="one-token"), timeout=RPC_S)
     assert released.released_blocks in (0, len(reservation.block_ids))
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
@@ -448,7 +458,7 @@ def test_prefix_cache_hits_and_block_reports(mesh, default_model_dir):
 def reserve_prompt(mesh: Mesh, rid: str, prompt: list[int]) -> worker_pb2.ReserveResponse:
     """Reserve as the scheduler does: with the prompt, so the decode worker reuses its cached prefix."""
     request = worker_pb2.ReserveRequest(request_id=rid, num_tokens=len(prompt) + 1, token_ids=prompt)
-    return mesh.decode_stub().Reserve(request, timeout=5)
+    return mesh.decode_stub().Reserve(request, timeout=RPC_S)
 
 
 def test_a_second_turn_ships_only_the_blocks_the_decode_worker_does_not_hold(mesh, default_model_dir):
@@ -496,25 +506,25 @@ def test_reserve_push_and_release_errors(mesh):
     stub = mesh.decode_stub()
     too_many = (NUM_BLOCKS + 1) * BLOCK_SIZE
     with pytest.raises(grpc.RpcError) as refused:
-        stub.Reserve(worker_pb2.ReserveRequest(request_id="huge", num_tokens=too_many), timeout=5)
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="huge", num_tokens=too_many), timeout=RPC_S)
     assert (refused.value.code(), refused.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         f"num_tokens: {too_many} tokens need more KV blocks than decode worker {mesh.decode.worker_id} has "
         f"({NUM_BLOCKS})")
     # What fits the worker but not its free blocks now is worth a retry.
-    stub.Reserve(worker_pb2.ReserveRequest(request_id="hog", num_tokens=NUM_BLOCKS * BLOCK_SIZE), timeout=5)
+    stub.Reserve(worker_pb2.ReserveRequest(request_id="hog", num_tokens=NUM_BLOCKS * BLOCK_SIZE), timeout=RPC_S)
     with pytest.raises(grpc.RpcError) as busy:
-        stub.Reserve(worker_pb2.ReserveRequest(request_id="busy", num_tokens=BLOCK_SIZE), timeout=5)
-    assert stub.Release(worker_pb2.ReleaseRequest(request_id="hog"), timeout=5).released_blocks == NUM_BLOCKS
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="busy", num_tokens=BLOCK_SIZE), timeout=RPC_S)
+    assert stub.Release(worker_pb2.ReleaseRequest(request_id="hog"), timeout=RPC_S).released_blocks == NUM_BLOCKS
     assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in busy.value.details()
     assert ("retry-after", "1") in tuple(busy.value.trailing_metadata())
     # A caller may not pin blocks for longer than the worker's own backstop.
     with pytest.raises(grpc.RpcError) as pinned:
-        stub.Reserve(worker_pb2.ReserveRequest(request_id="pinned", num_tokens=8, ttl_ms=2**31 - 1), timeout=5)
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="pinned", num_tokens=8, ttl_ms=2**31 - 1), timeout=RPC_S)
     assert (pinned.value.code(), pinned.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "ttl_ms: must be in [0, 300000] (0: the default, 300 s), got 2147483647")
     with pytest.raises(grpc.RpcError) as many:
-        stub.Abort(common_pb2.AbortRequest(request_ids=[f"r{i}" for i in range(1025)]), timeout=5)
+        stub.Abort(common_pb2.AbortRequest(request_ids=[f"r{i}" for i in range(1025)]), timeout=RPC_S)
     assert (many.value.code(), many.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at most 1024 ids per Abort, got 1025; send several Aborts")
     assert wait_idle(mesh.decode).reserved_blocks == 0
@@ -527,15 +537,15 @@ def test_reserve_push_and_release_errors(mesh):
     push = kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel).Push
     header = kv_transfer_pb2.KvRequestHeader(prompt_token_ids=[1, 2, 3], output_token_ids=[4], sampling=sampling())
     with pytest.raises(grpc.RpcError) as unknown:
-        push(iter([kv_transfer_pb2.KvChunk(request_id="nobody", header=header)]), timeout=5)
+        push(iter([kv_transfer_pb2.KvChunk(request_id="nobody", header=header)]), timeout=RPC_S)
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     bad = kv_transfer_pb2.KvChunk(request_id="twice", header=header, layer=0, first_block=0, num_blocks=1,
                                   dtype="float16", shape=[2, 1, 16, 3, 64], data=b"\0" * 12288)
     with pytest.raises(grpc.RpcError) as mismatch:
-        push(iter([bad]), timeout=5)
+        push(iter([bad]), timeout=RPC_S)
     assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in mismatch.value.details()
     # A failed push frees the reservation: its KV is incomplete.
-    assert stub.Release(worker_pb2.ReleaseRequest(request_id="twice"), timeout=5).released_blocks == 0
+    assert stub.Release(worker_pb2.ReleaseRequest(request_id="twice"), timeout=RPC_S).released_blocks == 0
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
@@ -549,10 +559,10 @@ def test_kv_crosses_through_shared_memory_on_one_host_and_a_segment_out_of_reach
             in mesh.prefill.log.read_text())
     kv = kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel)
     away = kv_transfer_pb2.ShmSegment(pid=1, fd=999, inode=1, size=4096)
-    answer = kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away, nonce=b"n" * 16), timeout=5)
+    answer = kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away, nonce=b"n" * 16), timeout=RPC_S)
     assert not answer.visible and answer.reason.startswith("cannot open the sender's segment /proc/1/fd/999: ")
     with pytest.raises(grpc.RpcError) as empty:
-        kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away), timeout=5)
+        kv.ProbeShm(kv_transfer_pb2.ShmProbe(segment=away), timeout=RPC_S)
     assert (empty.value.code(), empty.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "nonce: is empty; a probe segment starts with the nonce it carries")
 
@@ -562,13 +572,14 @@ def test_kv_crosses_through_shared_memory_on_one_host_and_a_segment_out_of_reach
     chunk = kv_transfer_pb2.KvChunk(request_id="shm-away", header=header, layer=0, first_block=0, num_blocks=1,
                                     dtype="float32", shape=[2, 1, 16, 3, 64])
     with pytest.raises(grpc.RpcError) as refused:
-        kv.Push(iter([chunk]), timeout=5)
+        kv.Push(iter([chunk]), timeout=RPC_S)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details().startswith(f"decode worker {mesh.decode.worker_id} cannot read the KV of request "
                                               "'shm-away' from shared memory: cannot open the sender's segment")
     assert refused.value.details().endswith("; ship it over gRPC")
-    wait_until(lambda: mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="shm-away"),
-                                                  timeout=5).released_blocks == 0, "the refused push's blocks freed")
+    release = worker_pb2.ReleaseRequest(request_id="shm-away")
+    wait_until(lambda: mesh.decode_stub().Release(release, timeout=RPC_S).released_blocks == 0,
+               "the refused push's blocks freed")
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
@@ -586,14 +597,14 @@ def test_a_streamed_push_cut_before_its_first_token_admits_nothing(mesh):
         layers = kv_transfer_pb2.KvChunk(request_id="cut-short", header=header, layer=0, num_layers=NUM_LAYERS,
                                          first_block=0, num_blocks=1, dtype="float32", shape=[2, 1, 16, 3, 64])
         with pytest.raises(grpc.RpcError) as cut:
-            kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel).Push(iter([layers]), timeout=5)
+            kv_transfer_pb2_grpc.KvTransferServiceStub(mesh.decode.channel).Push(iter([layers]), timeout=RPC_S)
     finally:
         segment.close()
     assert (cut.value.code(), cut.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "header: needs the first output token id, in the first chunk's header "
                                           "or, when that has none, in the last chunk's")
     wait_until(lambda: mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="cut-short"),
-                                                  timeout=5).released_blocks == 0, "the cut push's blocks freed")
+                                                  timeout=RPC_S).released_blocks == 0, "the cut push's blocks freed")
     assert wait_idle(mesh.decode).reserved_blocks == 0
 
 
@@ -630,7 +641,7 @@ def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     reservation = reserve(mesh, "long-run", prompt)
     prefill(mesh, "long-run", prompt, reservation, max_tokens=400, ignore_eos=True)
     mesh.recorder.wait(lambda: len(mesh.recorder.events("long-run")) >= 4, 30, "a few decode tokens")
-    aborted = mesh.decode_stub().Abort(common_pb2.AbortRequest(request_ids=["long-run", "unknown"]), timeout=5)
+    aborted = mesh.decode_stub().Abort(common_pb2.AbortRequest(request_ids=["long-run", "unknown"]), timeout=RPC_S)
     assert list(aborted.aborted_ids) == ["long-run"]
     wait_idle(mesh.decode)
 
@@ -640,10 +651,11 @@ def test_abort_frees_blocks_on_both_workers(mesh, parity_prompts):
     with futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(prefill, mesh, "early-abort", uncached, reservation, max_tokens=8)
         abort = common_pb2.AbortRequest(request_ids=["early-abort"])
-        wait_until(lambda: mesh.prefill_stub().Abort(abort, timeout=5).aborted_ids, "the abort")
+        wait_until(lambda: mesh.prefill_stub().Abort(abort, timeout=RPC_S).aborted_ids, "the abort")
         response = pending.result()
     assert response.finish_reason == common_pb2.FINISH_REASON_ABORT
-    assert mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="early-abort"), timeout=5).released_blocks
+    assert mesh.decode_stub().Release(worker_pb2.ReleaseRequest(request_id="early-abort"),
+                                      timeout=RPC_S).released_blocks
     wait_idle(mesh.prefill)
     wait_idle(mesh.decode)
 
@@ -665,7 +677,7 @@ def test_colocated_worker_matches_hf(mesh, parity_prompts, parity_references):
     assert stats.max_batch_size > 1 and stats.generated_tokens >= len(picked)
     with pytest.raises(grpc.RpcError) as bad:
         assign(mesh.colocated.channel, worker_pb2.RunRequest(request_id="bad", token_ids=[1],
-                                                             sampling=sampling(top_p=0.0)), timeout=5)
+                                                             sampling=sampling(top_p=0.0)), timeout=RPC_S)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad.value.details()
 
 
@@ -675,9 +687,9 @@ def test_forgotten_worker_registers_again_with_its_whole_cache(mesh):
     reports = len(recorder.block_reports)
     recorder.forget(worker_id)
     recorder.wait(lambda: sum(1 for i in recorder.registrations if i.worker_id == worker_id) > registered,
-                  5, "the second registration")
+                  DEADLINE_S, "the second registration")
     reset = recorder.wait(lambda: [r for r in recorder.block_reports[reports:] if r.worker_id == worker_id
-                                   and r.reset], 5, "a full block report")[0]
+                                   and r.reset], DEADLINE_S, "a full block report")[0]
     before = cache_index([r for r in recorder.block_reports[:reports] if r.worker_id == worker_id])
     assert reset.stored and set(reset.stored) == before
 
@@ -698,15 +710,15 @@ def test_worker_follows_its_scheduler_and_stops_cleanly(tmp_path, default_model_
         assert [i.worker_id for i in schedulers[0].servicer.registrations] == [worker.worker_id]
 
         stub = worker_pb2_grpc.DecodeServiceStub(worker.channel)
-        stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_tokens=40), timeout=5)
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_tokens=40), timeout=RPC_S)
         assert worker.stats().reserved_blocks == 3
         schedulers[0].server.stop(grace=None)
         wait_until(lambda: worker.stats().reserved_blocks == 0, "the orphaned reservation to be freed")
 
         schedulers.append(start_scheduler(port))
         restarted = schedulers[1].servicer
-        restarted.wait(lambda: restarted.registrations, 10, "the worker to register with the new scheduler")
-        restarted.wait(lambda: any(b.worker_id == worker.worker_id for b in restarted.batches), 10,
+        restarted.wait(lambda: restarted.registrations, DEADLINE_S, "the worker to register with the new scheduler")
+        restarted.wait(lambda: any(b.worker_id == worker.worker_id for b in restarted.batches), DEADLINE_S,
                        "the token stream to reopen")
 
         worker.process.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ from services.gateway.upstream import Upstream
 from tandem.cli.ports import free_port
 from tandem.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from tests.placing_scheduler import PlacingScheduler
-from tests.waiting import wait_until
+from tests.waiting import START_S, wait_until
 
 TOKEN = "internal-secret"
 RESIDENT, LOADING = scheduler_pb2.MODEL_STATE_RESIDENT, scheduler_pb2.MODEL_STATE_LOADING
@@ -238,7 +238,8 @@ def test_the_gateway_command_serves_each_model_flag_and_the_models_under_tandem_
 ) -> None:
     home = tmp_path / "home"
     shutil.copytree(other_model_dir, home / "models" / "found")  # served under its directory's name
-    grpc_port, http_port, scheduler_port = free_port(), free_port(), free_port()  # no scheduler listens: nothing is resident
+    grpc_port, http_port = free_port(), free_port()
+    scheduler_port = free_port()  # no scheduler listens: nothing is resident
     env = {**os.environ, "TANDEM_HOME": str(home), "TANDEM_RUN_DIR": str(tmp_path / "run")}
     argv = [sys.executable, "-m", "tandem.cli", "gateway", "--insecure-internal", "--port", str(grpc_port),
             "--http-port", str(http_port), "--scheduler", f"127.0.0.1:{scheduler_port}",
@@ -255,7 +256,8 @@ def test_the_gateway_command_serves_each_model_flag_and_the_models_under_tandem_
                 return None
             return [(card["id"], card["resident"], card["resident_workers"]) for card in cards]
 
-        assert wait_until(listing, "the gateway's model listing") == [
+        # The gateway's start (imports, two tokenizers) took over 30 s at load 14; one that exits fails at once.
+        assert wait_until(listing, "the gateway's model listing", timeout=START_S) == [
             ("smol", False, 0), ("other-dir", False, 0), ("found", False, 0)]
     finally:
         gateway.terminate()

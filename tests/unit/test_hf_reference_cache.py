@@ -20,7 +20,8 @@ def computed(monkeypatch, tmp_path) -> list[tuple]:
 
     def compute(model_dir, prompts, max_new_tokens):
         calls.append((model_dir.name, prompts, max_new_tokens))
-        return [Reference(ids, ids[::-1][:max_new_tokens], [torch.full((4,), float(i)) for i in ids]) for ids in prompts]
+        return [Reference(ids, ids[::-1][:max_new_tokens], [torch.full((4,), float(i)) for i in ids])
+                for ids in prompts]
 
     monkeypatch.setattr(hf_reference, "reference_outputs", compute)
     return calls
