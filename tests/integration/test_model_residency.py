@@ -67,7 +67,7 @@ class Shared:
         sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **fields)
         request = worker_pb2.RunRequest(request_id=rid, token_ids=prompt, model=model, seed=7, sampling=sampling)
         assign(self.worker.channel, request, timeout=120)
-        return tokens_of(self.recorder.stream(rid, timeout=120))
+        return tokens_of(self.recorder.stream(rid, silence=120))
 
     def models(self) -> worker_pb2_grpc.ModelServiceStub:
         return worker_pb2_grpc.ModelServiceStub(self.worker.channel)
@@ -269,7 +269,7 @@ def test_disaggregated_request_for_a_catalogue_model_loads_it_on_both_workers(sh
         decode_block_ids=reservation.block_ids, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS,
                                                                                     temperature=0.0)), timeout=120)
     assert response.transfer.blocks > 0
-    assert_matches(tokens_of(recorder.stream(rid, timeout=120)), references[TINY][1], "tiny model, disaggregated")
+    assert_matches(tokens_of(recorder.stream(rid, silence=120)), references[TINY][1], "tiny model, disaggregated")
     for worker in (prefill, decode):
         wait_until(lambda: _held(recorder, worker) == [(TINY, RESIDENT)], f"{worker.role} holding the tiny model alone")
 
