@@ -23,8 +23,9 @@ worker's block events take into the store, Redis or embedded), then sends `--req
     hop before it (the gateway's span's start to the scheduler's), p50 and p99; with the CPU the
     cluster and the bench used meanwhile ("cores busy", of the machine's), to show the headroom. The
     run's "route p99" above is measured with the cores saturated: it is mostly queueing for them;
-  - the scheduler's event-loop stalls in the paced phase (`--stall-ms`, services/common/loop_stalls.py):
-    how many, the longest, and the longest garbage collection among them;
+  - with `--stall-ms MS`, the scheduler's event-loop stalls in the paced phase (services/common/loop_stalls.py):
+    how many, the longest, and the longest garbage collection among them (off by default: the probe's
+    own wake-ups cost the scheduler CPU);
   - where the scheduler's CPU per request goes: its event loop's thread against gRPC's own threads
     (the poller and the event engine's), and the context switches of all its threads, per request.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
@@ -194,9 +195,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--paced-nice", type=int, default=0,
                         help="the niceness every thread of the cluster and the bench takes for the paced phase "
                              "(e.g. -10, as root: other work on a shared machine then queues behind them)")
-    parser.add_argument("--stall-ms", type=float, default=2.0,
-                        help="the schedulers log their event-loop stalls longer than this; the paced phase's are "
-                             "counted (0: off)")
+    parser.add_argument("--stall-ms", type=float, default=0.0,
+                        help="the schedulers log their event-loop stalls longer than this (e.g. 2); the paced "
+                             "phase's are counted. 0 (default): off, since the probe wakes each scheduler 200 "
+                             "times a second through the whole run, which adds to its idle and per-request CPU")
     parser.add_argument("--idle-s", type=float, default=IDLE_S,
                         help="seconds the scheduler's fixed cost is measured for before the run")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (the first 32 shared by a family)")
