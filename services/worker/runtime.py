@@ -441,8 +441,7 @@ class WorkerRuntime:
         each its own object (the block changes ride one); with one scheduler, all."""
         if report is None or len(self.reporters) <= 1:
             return [report] * len(self.reporters)
-        ids = [registration.response.scheduler_id if registration.response is not None else ""
-               for registration in self.registrations]
+        ids = [self._placer_at(seat) for seat in range(len(self.reporters))]
         split: list[scheduler_pb2.TokenBatch | None] = [None] * len(self.reporters)
         for index, event in enumerate(report.events):
             placer = placers[index] if index < len(placers) else ""
