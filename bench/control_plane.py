@@ -27,7 +27,9 @@ worker's block events take into the store, Redis or embedded), then sends `--req
     how many, the longest, and the longest garbage collection among them (off by default: the probe's
     own wake-ups cost the scheduler CPU);
   - where the scheduler's CPU per request goes: its event loop's thread against gRPC's own threads
-    (the poller and the event engine's), and the context switches of all its threads, per request.
+    (the poller and the event engine's), and the context switches of all its threads, per request;
+  - the gRPC stream messages the scheduler read and wrote per request over the run, by stream and
+    direction (its /metrics: services/scheduler/message_counts.py), heartbeats apart from the rest.
 Bounded: requests x (output tokens), each with a deadline; every process is stopped at the end.
   - the prefix hit rate: the run's routes with a prefix hit, from every replica's spans.
 `--schedulers 1,2,4` runs each point with that many replicas (Redis only: they share the registry,
@@ -53,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,6 +127,11 @@ class Result:
     scheduler_loop_ms_per_request: float = float("nan")  # the event loop's thread (the main one)
     scheduler_grpc_threads_ms_per_request: float = float("nan")  # every other thread: gRPC's poller, event engine
     scheduler_switches_per_request: float = float("nan")
+    # gRPC stream messages the scheduler replicas read (in) and wrote (out) over the run, per request: the
+    # request path's (every stream but the heartbeats), and each stream's ("assign in", ...; heartbeats too)
+    scheduler_messages_in_per_request: float = float("nan")
+    scheduler_messages_out_per_request: float = float("nan")
+    scheduler_messages_per_request: dict[str, float] = field(default_factory=dict)
     # the paced requests (Poisson arrivals at paced_rate a second; 0: none), routing's added latency from their spans
     paced_rate: float = 0.0
     paced_requests: int = 0
@@ -242,7 +250,8 @@ def run_point(point: Point, args: argparse.Namespace) -> Result:
         try:
             cluster = SimCluster.start(run_dir, sim_specs(point.workers, args), schedulers=point.schedulers,
                                        redis_url=redis.url if redis else None,
-                                       scheduler_flags=("--max-queue", "4096", "--max-running", "256"))
+                                       scheduler_flags=("--max-queue", "4096", "--max-running", "256"),
+                                       metrics=True)
             try:
                 return measure(cluster, point, args)
             finally:
@@ -271,12 +280,14 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
     idle_rate = idle_cpu_rate([pids[name] for name in replicas], args.idle_s)
     before, load_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, loadavg()
     threads_before = [thread_use(pids[name]) for name in replicas]
+    messages_before = stream_messages(cluster.scheduler_metrics)
     with profiling(args.profile, point, {name: pids[name] for name in replicas}, args.profile_rate):
         t0 = time.monotonic()
         outcome = asyncio.run(drive(cluster.gateway, "run", args.requests, args))
         wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     threads = [after - start for name, start in zip(replicas, threads_before) for after in [thread_use(pids[name])]]
+    messages = stream_messages(cluster.scheduler_metrics) - messages_before
     used["scheduler"] = sum(used[name] for name in replicas)  # every replica's
     paced = run_paced(cluster, pids, args)
     hits, routed = prefix_hits(cluster.run_dir, set(outcome.request_ids))
@@ -308,8 +319,36 @@ def measure(cluster: SimCluster, point: Point, args: argparse.Namespace) -> Resu
         scheduler_loop_ms_per_request=round(sum(t.loop_s for t in threads) * 1e3 / max(ok, 1), 3),
         scheduler_grpc_threads_ms_per_request=round(sum(t.others_s for t in threads) * 1e3 / max(ok, 1), 3),
         scheduler_switches_per_request=round(sum(t.switches for t in threads) / max(ok, 1), 1),
+        **messages_per_request(messages, max(ok, 1)),
         **paced,
     )
+
+
+def stream_messages(addresses: list[str]) -> Counter[str]:
+    """The gRPC stream messages the schedulers serving /metrics at `addresses` counted so far, all
+    together: "STREAM DIRECTION" -> messages (services/scheduler/message_counts.py)."""
+    counts: Counter[str] = Counter()
+    for address in addresses:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if line.startswith(_MESSAGES_METRIC + "{"):
+                labels, value = line[len(_MESSAGES_METRIC) + 1:].rsplit("} ", 1)
+                named = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.split(","))}
+                counts[f"{named['stream']} {named['direction']}"] += round(float(value))
+    return counts
+
+
+_MESSAGES_METRIC = "tandem:scheduler_stream_messages_total"
+
+
+def messages_per_request(messages: Counter[str], requests: int) -> dict[str, object]:
+    """The Result's message figures: the request path's in and out (heartbeats apart), and each stream's."""
+    path = {key: n for key, n in messages.items() if not key.startswith("heartbeats ")}
+    return dict(
+        scheduler_messages_in_per_request=round(sum(n for k, n in path.items() if k.endswith(" in")) / requests, 2),
+        scheduler_messages_out_per_request=round(sum(n for k, n in path.items() if k.endswith(" out")) / requests, 2),
+        scheduler_messages_per_request={key: round(n / requests, 3) for key, n in sorted(messages.items())})
 
 
 def idle_cpu_rate(pids: list[int], seconds: float) -> float:
@@ -618,6 +657,8 @@ COLUMNS = (("workers", "workers"), ("store", "store"), ("index_blocks", "index b
            ("scheduler_loop_ms_per_request", "sched loop ms/req"),
            ("scheduler_grpc_threads_ms_per_request", "sched gRPC threads ms/req"),
            ("scheduler_switches_per_request", "sched switches/req"),
+           ("scheduler_messages_in_per_request", "sched msgs in/req"),
+           ("scheduler_messages_out_per_request", "sched msgs out/req"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_ms_per_1k_tokens", "sched ms/1k tok"),
            ("gateway_cpu_ms_per_1k_tokens", "gw ms/1k tok"), ("routing_p99_ms", "route p99 ms"),
            ("ttft_p99_ms", "TTFT p99 ms"), ("prefix_hit_rate", "prefix hits"), ("failed", "failed"),

@@ -77,6 +77,7 @@ class SimCluster:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     tiers: list[list[Child]] = field(default_factory=list)
     schedulers: list[str] = field(default_factory=list)  # every replica's address
+    scheduler_metrics: list[str] = field(default_factory=list)  # every replica's /metrics address, if served
     gateway: str = ""
     http_gateway: str = ""  # the gateway's OpenAI-compatible HTTP door
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> address
@@ -85,27 +86,31 @@ class SimCluster:
     @classmethod
     def start(cls, run_dir: Path, sims: list[SimSpec], *, redis_url: str | None = None, schedulers: int = 1,
               scheduler_flags: tuple[str, ...] = (), model: Path | None = None,
-              dial: Callable[[str], str] = lambda address: address) -> SimCluster:
-        """`dial(scheduler_address)`: the address the workers dial for it (a test may put a relay between)."""
+              dial: Callable[[str], str] = lambda address: address, metrics: bool = False) -> SimCluster:
+        """`dial(scheduler_address)`: the address the workers dial for it (a test may put a relay between);
+        `metrics`: each replica serves /metrics (at `scheduler_metrics`)."""
         if schedulers < 1 or (schedulers > 1 and not redis_url):
             raise ValueError(f"schedulers={schedulers}: give 1, or several with a redis_url (replicas share "
                              "their state through Redis; the embedded store is one process's)")
         cluster = cls(run_dir)
         try:
-            cluster._start(sims, redis_url, scheduler_flags, model, schedulers, dial)
+            cluster._start(sims, redis_url, scheduler_flags, model, schedulers, dial, metrics)
         except BaseException:
             cluster.stop()
             raise
         return cluster
 
     def _start(self, sims: list[SimSpec], redis_url: str | None, scheduler_flags: tuple[str, ...],
-               model: Path | None, schedulers: int, dial: Callable[[str], str]) -> None:
+               model: Path | None, schedulers: int, dial: Callable[[str], str], metrics: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ports = [free_port() for _ in range(schedulers)]
         self.schedulers = [f"127.0.0.1:{port}" for port in ports]
-        flags = ["--metrics-port", "0", *(["--redis-url", redis_url] if redis_url else []), *scheduler_flags]
-        self._tier([self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port, flags)
-                    for i, port in enumerate(ports)])
+        metrics_ports = [free_port() if metrics else 0 for _ in ports]
+        self.scheduler_metrics = [f"127.0.0.1:{port}" for port in metrics_ports if port]
+        flags = [*(["--redis-url", redis_url] if redis_url else []), *scheduler_flags]
+        self._tier([self._service(f"scheduler-{i}" if i else "scheduler", "scheduler", port,
+                                  ["--metrics-port", str(metrics_port), *flags])
+                    for i, (port, metrics_port) in enumerate(zip(ports, metrics_ports))])
         model_flags = ["--model", str(model)] if model else []
         dialled = [dial(address) for address in self.schedulers]
         self._tier([self._sim(f"sim-{i}", spec, model_flags, dialled) for i, spec in enumerate(sims)])

@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import request_rpc_error, rpc_error
+from services.scheduler import message_counts
+from services.scheduler.message_counts import ASSIGN, IN, OUT
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -104,11 +106,13 @@ class _AssignCall:
     async def _sent(self) -> AsyncIterator[worker_pb2.RunRequest]:
         while (request := await self._outgoing.get()) is not None:
             if request.call_id in self._pending:  # else it timed out, or its caller left, before it went out
+                message_counts.count(ASSIGN, OUT)
                 yield request
 
     async def _read(self) -> None:
         try:
             async for result in self._call:
+                message_counts.count(ASSIGN, IN)
                 answer = self._pending.get(result.call_id)
                 if answer is not None and not answer.done():
                     _settle(answer, result)

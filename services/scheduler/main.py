@@ -18,6 +18,7 @@ from services.common.metrics import MetricsServer, ServiceMetrics, start_metrics
 from services.common.store import Store, StoreUnavailable, open_store
 from services.common.tls import MutualTLS
 from services.common.tracing import setup_tracing
+from services.scheduler import message_counts
 from services.scheduler.batch_policy import SloPolicy
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.model_loads import ModelLoads
@@ -197,6 +198,7 @@ async def serve(config: SchedulerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully."""
     tracing = setup_tracing("scheduler")
     metrics = ServiceMetrics("", "scheduler")
+    message_counts.register(metrics.registry)
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     scheduler_id = secrets.token_hex(6)

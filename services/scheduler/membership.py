@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.common.errors import TandemError
 from services.common.store import WorkerLoad, WorkerRole
-from services.scheduler import failures
+from services.scheduler import failures, message_counts
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
 from services.scheduler.launcher import Spawn
+from services.scheduler.message_counts import HEARTBEATS, IN, OUT
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.worker_clients import WorkerClients
 from tandem.v1 import scheduler_pb2
@@ -123,7 +124,10 @@ async def answer_in_order(
     back in the order the heartbeats came (the worker pairs them by order). Its end, broken or not,
     changes nothing here: a worker whose heartbeats stop lapses by the TTL, as with Heartbeat calls."""
     async for heartbeat in heartbeats:
-        yield await answer(heartbeat)
+        message_counts.count(HEARTBEATS, IN)
+        response = await answer(heartbeat)
+        message_counts.count(HEARTBEATS, OUT)
+        yield response
 
 
 def _runs_on(state: RequestState, worker_id: str) -> bool:

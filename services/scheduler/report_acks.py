@@ -14,6 +14,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from services.scheduler import message_counts
+from services.scheduler.message_counts import OUT, REPORT_TOKENS
 from tandem.v1 import scheduler_pb2
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class StreamAcks:
             ack = scheduler_pb2.ReportAck(batches=self._batches, applied_through=self._applied_through)
             try:
                 await self._write(ack)
+                message_counts.count(REPORT_TOKENS, OUT)
             except Exception as error:  # noqa: BLE001 - the call is ending: its end is handled by the reader
                 log.debug("ReportTokens ack not sent (%s: %s); the stream is ending", type(error).__name__, error)
                 return

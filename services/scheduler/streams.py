@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.common.block_hash import BlockHash
+from services.scheduler import message_counts
+from services.scheduler.message_counts import IN, REPORT_TOKENS
 from services.scheduler.report_acks import StreamAcks, WriteAck
 from tandem.v1 import scheduler_pb2
 
@@ -49,6 +51,7 @@ class TokenStreams:
         try:
             async for batch in batches:
                 count += 1
+                message_counts.count(REPORT_TOKENS, IN)
                 if worker_id is None and batch.worker_id:
                     worker_id = batch.worker_id
                     self._open[worker_id] += 1

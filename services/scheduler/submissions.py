@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.common.errors import InvalidRequest, TandemError, grpc_status
+from services.scheduler import message_counts
+from services.scheduler.message_counts import IN, OUT, SUBMISSIONS
 from tandem.v1 import common_pb2, scheduler_pb2
 from tandem.v1.errors import retry_after_hint
 
@@ -79,6 +81,7 @@ class SubmissionStream:
                 self._wake.clear()
                 if self._ready:
                     updates, self._ready = self._ready, []
+                    message_counts.count(SUBMISSIONS, OUT)
                     yield scheduler_pb2.SubmitUpdates(updates=updates)
             await reader  # its error, if it failed, ends the call with its status
         finally:
@@ -91,6 +94,7 @@ class SubmissionStream:
         stream breaks (what runs is cancelled, as each Submit call would be)."""
         try:
             async for message in commands:
+                message_counts.count(SUBMISSIONS, IN)
                 for command in message.commands:
                     self._apply(command)
         except BaseException:

@@ -1,11 +1,13 @@
-"""bench/control_plane.py's paced figures without a cluster: routing's added latency read from span files."""
+"""bench/control_plane.py's figures without a cluster: routing's added latency read from span files, the
+scheduler's messages per request."""
 
 from __future__ import annotations
 
 import datetime
+from collections import Counter
 from pathlib import Path
 
-from bench.control_plane import route_hops_ms, scheduler_stalls
+from bench.control_plane import messages_per_request, route_hops_ms, scheduler_stalls
 from services.common.loop_stalls import Collection, Stall
 from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
@@ -44,3 +46,15 @@ def test_the_scheduler_stalls_of_a_window_are_read_from_its_logs(tmp_path: Path)
     at = lambda text: datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()  # noqa: E731
 
     assert scheduler_stalls(tmp_path, at("2026-12-02 15:18:45"), at("2026-12-02 15:18:50")) == [inside]
+
+
+def test_messages_per_request_keep_the_heartbeats_out_of_the_request_path() -> None:
+    messages = Counter({"submissions in": 100, "submissions out": 80, "assign out": 100, "assign in": 100,
+                        "report_tokens in": 200, "heartbeats in": 60, "heartbeats out": 60})
+
+    figures = messages_per_request(messages, 100)
+
+    assert (figures["scheduler_messages_in_per_request"], figures["scheduler_messages_out_per_request"]) == (4.0, 1.8)
+    assert figures["scheduler_messages_per_request"] == {
+        "assign in": 1.0, "assign out": 1.0, "heartbeats in": 0.6, "heartbeats out": 0.6, "report_tokens in": 2.0,
+        "submissions in": 1.0, "submissions out": 0.8}
