@@ -20,13 +20,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.common import internal_auth
+from services.common import internal_auth, loop_stalls
 from services.common.config import add_option, parse_count
 from services.common.grpc_server import GrpcServer
 from services.common.tracing import setup_tracing
 from services.worker import main_common
 from services.worker.main_common import EngineFactory, RoleSpec, WorkerConfig
 from services.worker.runtime import WorkerRuntime
+from services.worker.served_model import freeze_memory
 from services.worker.sim_engine import SimEngine, SimTiming
 from services.worker.transport import ChannelPool
 
@@ -142,10 +143,16 @@ async def run(sim: SimConfig, base: WorkerConfig, spec: RoleSpec) -> int:
             return 1
         for worker in workers:
             print(f"{worker.runtime.worker_id} grpc {worker.runtime.identity.address}")
+        # As a real worker does once loaded: without it, each full collection walked the 50 engines'
+        # blocks and stopped the process's loop for about 100 ms (the bench's paced routed->worker tail).
+        freeze_memory()
         print("ready", flush=True)
+        stalls = loop_stalls.watch_from_env()
         failed = asyncio.wait([asyncio.ensure_future(w.runtime.failed.wait()) for w in workers],
                               return_when=asyncio.FIRST_COMPLETED)
         await main_common.first_done(asyncio.ensure_future(stopping.wait()), failed)
+        if stalls is not None:
+            stalls.cancel()
         return 1 if any(w.runtime.failed.is_set() for w in workers) else 0
     finally:
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
