@@ -208,7 +208,8 @@ def span_file(run_dir: Path, service: str) -> Path:
     return run_dir / f"{SPAN_FILE_PREFIX}{service}{SPAN_FILE_SUFFIX}"
 
 
-_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps with separators builds one a call
+# Built once (json.dumps with separators builds one a call); records hold no cycles to look for.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 
 
 def encode_records(records: Iterable[SpanRecord | SpanStart]) -> bytes:

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+_PROPAGATED_KEYS = frozenset(_PROPAGATOR.fields)  # traceparent, tracestate, baggage
 _SCHEDULE_DELAY_MS = 500
 _DROP_PAUSE_S = 30.0
 
@@ -87,19 +88,38 @@ def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
     return BatchSpanProcessor(exporter, schedule_delay_millis=delay)
 
 
-class _SpanFileWriter(SimpleSpanProcessor):
+class _SpanFileWriter(SpanProcessor):
     """Writes a start line when a span starts and its record when it ends, on the thread that starts
-    or ends it: nothing waits in a queue, so there is nothing to lose or flush at shutdown."""
+    or ends it: nothing waits in a queue, so there is nothing to lose or flush at shutdown. (Not a
+    SimpleSpanProcessor: the instrumentation it suppresses around each export, with a context attach
+    and detach per span, is none that an os.write reaches.)"""
 
     def __init__(self, path: Path) -> None:
         self._file = JsonlSpanExporter(path)
         self._guard = _DropWhileFailing(self._file, f"span file {path}")
-        super().__init__(self._guard)
+        self._shutdown = False
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        if self._shutdown or not span.context.trace_flags.sampled:  # on_end would not write it either
-            return
-        self._guard.attempt(lambda: self._file.export_starts([span_start(span)]), spans=0)
+        if not self._shutdown and span.context.trace_flags.sampled:  # on_end would not write it either
+            self._write(lambda: self._file.export_starts((span_start(span),)), spans=0)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if not self._shutdown and span.context.trace_flags.sampled:
+            self._write(lambda: self._file.export((span,)), spans=1)
+
+    def _write(self, write: Callable[[], SpanExportResult], spans: int) -> None:
+        """A failed write drops the line (and pauses writing): it never fails the span's caller."""
+        try:
+            self._guard.attempt(write, spans)
+        except Exception:  # noqa: BLE001 - a span the file cannot take must not fail the request
+            _log.exception("tracing: writing a span line to %s failed", self._file.path)
+
+    def shutdown(self) -> None:
+        self._shutdown = True
+        self._guard.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True  # nothing is held back
 
 
 # (trace_id, span_id) -> request id of the process's open spans, so children inherit it.
@@ -228,22 +248,22 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def span_record(span: ReadableSpan) -> SpanRecord:
     """The file record of a finished SDK span."""
-    context = span.context
-    resource = span.resource.attributes
+    context, parent, status = span.context, span.parent, span.status
+    service, instance = _service_of(span.resource)
     return SpanRecord(
         trace_id=format(context.trace_id, "032x"),
         span_id=format(context.span_id, "016x"),
-        parent_span_id=format(span.parent.span_id, "016x") if span.parent else None,
+        parent_span_id=format(parent.span_id, "016x") if parent else None,
         name=span.name,
-        service=str(resource.get(SERVICE_NAME, "")),
-        instance=str(resource[Attr.WORKER]) if Attr.WORKER in resource else None,
-        kind=span.kind.name.lower(),
+        service=service,
+        instance=instance,
+        kind=_KIND_NAMES[span.kind],
         start_ns=span.start_time or 0,
         end_ns=span.end_time or 0,
         attributes=_plain(span.attributes),
         events=[SpanEvent(e.name, e.timestamp, _plain(e.attributes)) for e in span.events],
-        status=span.status.status_code.name,
-        status_message=span.status.description or "",
+        status=_STATUS_NAMES[status.status_code],
+        status_message=status.description or "",
     )
 
 
@@ -251,14 +271,36 @@ def span_start(span: ReadableSpan) -> SpanStart:
     """The start line of a span that has just started."""
     request_id = (span.attributes or {}).get(Attr.REQUEST_ID)
     return SpanStart(trace_id=format(span.context.trace_id, "032x"), span_id=format(span.context.span_id, "016x"),
-                     name=span.name, service=str(span.resource.attributes.get(SERVICE_NAME, "")),
+                     name=span.name, service=_service_of(span.resource)[0],
                      start_ns=span.start_time or 0, request_id=str(request_id) if request_id is not None else None)
 
 
-def _plain(attributes: object) -> dict[str, object]:
-    """OTel attribute values with tuples as lists (JSON arrays)."""
-    items = dict(attributes or {}).items()  # type: ignore[call-overload]
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+# Enum names, looked up once (a member's .name is a property): every span line names its kind and status.
+_KIND_NAMES = {kind: kind.name.lower() for kind in trace.SpanKind}
+_STATUS_NAMES = {code: code.name for code in trace.StatusCode}
+_resource_fields: tuple[Resource, str, str | None] | None = None  # the last resource asked about, and its answer
+
+
+def _service_of(resource: Resource) -> tuple[str, str | None]:
+    """The service and instance (`tandem.worker`) a provider's resource names; the last answer is kept,
+    since a process has one provider (tests have a few: a new resource is read afresh)."""
+    global _resource_fields
+    kept = _resource_fields
+    if kept is not None and kept[0] is resource:
+        return kept[1], kept[2]
+    attributes = resource.attributes
+    service = str(attributes.get(SERVICE_NAME, ""))
+    instance = str(attributes[Attr.WORKER]) if Attr.WORKER in attributes else None
+    _resource_fields = (resource, service, instance)
+    return service, instance
+
+
+def _plain(attributes: Mapping[str, object] | None) -> dict[str, object]:
+    """OTel attribute values with tuples as lists (JSON arrays). (A span's attributes read through a
+    mapping proxy, item by item in Python: read once, and not at all when there are none, as on most events.)"""
+    if not attributes:
+        return {}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in attributes.items()}
 
 
 def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
@@ -277,6 +319,8 @@ def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Conte
     """The remote context in incoming gRPC metadata (e.g. `context.invocation_metadata()`);
     an empty context when there is none, so spans started under it become new roots."""
     carrier = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
+    if not _PROPAGATED_KEYS.intersection(carrier):
+        return Context()  # what the propagators make of no context, without their parsing
     return _PROPAGATOR.extract(carrier, context=Context())
 
 

@@ -251,3 +251,22 @@ def test_span_file_removed_while_open_is_written_anew(tmp_path: Path) -> None:
     assert [s.request_id for s in loaded.spans] == ["r2"]
     assert [s.request_id for s in loaded.started] == ["r2"]
     provider.shutdown()
+
+
+def test_a_span_line_that_cannot_be_written_is_logged_and_never_fails_the_caller(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    provider = setup_tracing("scheduler", tmp_path, install_global=False)
+    span = provider.get_tracer("test").start_span(SpanName.SCHEDULER_SUBMIT, attributes={Attr.REQUEST_ID: "r1"})
+
+    def unwritable(span: ReadableSpan) -> SpanRecord:
+        raise ValueError("cannot encode")
+
+    monkeypatch.setattr("services.common.tracing.span_record", unwritable)
+    with caplog.at_level(logging.ERROR, logger="services.common.tracing"):
+        span.end()  # raises nothing into the request's code
+    provider.shutdown()
+
+    loaded = load_span_files(tmp_path)
+    assert ([s.request_id for s in loaded.started], loaded.spans) == (["r1"], [])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tracing: writing a span line to {tmp_path / 'spans-scheduler.jsonl'} failed"]
