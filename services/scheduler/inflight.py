@@ -64,9 +64,13 @@ class Placement:
         return len(self.request.token_ids)
 
     @property
-    def generator_id(self) -> str | None:
+    def generator(self) -> WorkerRecord | None:
         """The decode or colocated worker that generates (or will generate) the attempt's tokens."""
-        worker = self.prefill if self.colocated else self.decode
+        return self.prefill if self.colocated else self.decode
+
+    @property
+    def generator_id(self) -> str | None:
+        worker = self.generator
         return None if worker is None else worker.info.worker_id
 
 
@@ -152,19 +156,24 @@ class InflightTable:
     def loads(self) -> WorkerLoads:
         """The per-worker sums routing adds to the workers' reports, in one pass over the table."""
         loads = WorkerLoads()
+        # The tables bound once: routing sums every request in flight on every route.
+        queued, reads, generating, context = (loads.queued_prefill, loads.queued_reads, loads.generating,
+                                              loads.generating_context)
         for state in self._states.values():
             placement = state.placement
-            if state.status < Status.GENERATING and placement.prefill is not None:
-                worker_id = placement.prefill.info.worker_id
-                loads.queued_prefill[worker_id] = loads.queued_prefill.get(worker_id, 0) + placement.uncached_tokens
-                loads.queued_reads[worker_id] = loads.queued_reads.get(worker_id, 0) + chunk_reads(
-                    placement.prompt_tokens - placement.uncached_tokens, placement.uncached_tokens)
-            if (generator := placement.generator_id) is not None:
-                loads.generating[generator] = loads.generating.get(generator, 0) + 1
-                loads.generating_context[generator] = (loads.generating_context.get(generator, 0)
-                                                       + placement.prompt_tokens)
-            if placement.decode is not None and placement.reserved_blocks:
-                loads.reservations.setdefault(placement.decode.info.worker_id, []).append(
+            prefill, decode = placement.prefill, placement.decode
+            prompt_tokens = placement.prompt_tokens
+            if prefill is not None and state.status < Status.GENERATING:
+                worker_id, uncached = prefill.info.worker_id, placement.uncached_tokens
+                queued[worker_id] = queued.get(worker_id, 0) + uncached
+                reads[worker_id] = reads.get(worker_id, 0) + chunk_reads(prompt_tokens - uncached, uncached)
+            generator = placement.generator
+            if generator is not None:
+                generator_id = generator.info.worker_id
+                generating[generator_id] = generating.get(generator_id, 0) + 1
+                context[generator_id] = context.get(generator_id, 0) + prompt_tokens
+            if decode is not None and placement.reserved_blocks:
+                loads.reservations.setdefault(decode.info.worker_id, []).append(
                     (placement.reserved_at, placement.reserved_blocks))
         return loads
 

@@ -4,13 +4,16 @@ running requests, and degraded routing without prefix hits."""
 
 from __future__ import annotations
 
+import json
+
 from opentelemetry import trace
 
 from services.common.block_hash import hash_chain
 from services.common.store import EmbeddedStore, ModelResidency, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRole
+from services.scheduler.model_placement import ModelPlacement
 from services.scheduler.deadline import Deadline
 from services.scheduler.inflight import InflightTable, Placement, RequestState, Status
-from services.scheduler.planner import plan_route
+from services.scheduler.planner import RECORDED_SCORES, RoutePlan, plan_route
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.ending import Ending
 from services.scheduler.router import Candidate, Score, cached_tokens, prefill_cost, rank_decode, rank_prefill
@@ -163,3 +166,47 @@ async def test_a_prefix_cached_by_one_model_earns_no_credit_for_another() -> Non
         assert plan.prefill == [Score("c-0", 67.0 - 64, cached_blocks=4), Score("c-1", 67.0)]
     plan = await plan_route(registry, InflightTable(), submit(prompt, model="smol-b"))
     assert plan.prefill == [Score("c-1", 67.0 - 64, cached_blocks=4), Score("c-0", 67.0)]
+
+
+def test_route_scores_json_is_the_best_breakdowns_as_json_dumps_writes_them() -> None:
+    prefill = [Score(f"p-{i:02d}", float(i), cached_blocks=i % 3, queued_prefill_tokens=2 * i) for i in range(20)]
+    # "h" is in both lists (a hybrid decode worker prefilling locally): once, in its first place, as decode.
+    decode = [Score("d-\"quoted\"-é", -7.0, free_blocks=7, running=1), Score("h", -3.0, free_blocks=3, running=2)]
+    plan = RoutePlan(colocated=False, prefill=[Score("h", 12.5, cached_blocks=1), *prefill], decode=decode,
+                     workers={}, degraded=False)
+
+    expected = {"h": {"cost": -3.0, "free_blocks": 3, "running": 2}}
+    expected |= {s.worker_id: {"cost": s.cost, "cached_blocks": s.cached_blocks,
+                               "queued_prefill_tokens": s.queued_prefill_tokens} for s in prefill[:RECORDED_SCORES - 1]}
+    expected["d-\"quoted\"-é"] = {"cost": -7.0, "free_blocks": 7, "running": 1}
+    assert plan.scores_json() == json.dumps(expected)
+    assert list(json.loads(plan.scores_json()))[:3] == ["h", "p-00", "p-01"]
+
+
+async def test_each_change_of_the_workers_shows_in_the_next_route() -> None:
+    """Routing keeps what it derives from the workers' records between requests: a registration, a
+    heartbeat (here, the models it holds) and a lost worker each show in the very next route."""
+    registry = WorkerRegistry(EmbeddedStore(), ttl=5.0, placement=ModelPlacement.LATENCY)
+    catalogued = WorkerInfo(worker_id="c-2", role=WorkerRole.COLOCATED, address="127.0.0.1:40002", model="big",
+                            num_blocks=1000, block_size=BLOCK, catalogue=("big", "smol"))
+    for worker in (record("c-1", WorkerRole.COLOCATED), record("c-3", WorkerRole.COLOCATED)):
+        await registry.register(worker.info, worker.load)
+    await registry.register(catalogued, WorkerLoad(free_blocks=1000))
+
+    async def route() -> list[str]:
+        return [s.worker_id for s in (await plan_route(registry, InflightTable(), submit([1, 2, 3]))).prefill]
+
+    routed = [await route()]
+    await registry.register(record("c-0", WorkerRole.COLOCATED).info, WorkerLoad(free_blocks=1000))
+    routed.append(await route())
+    await registry.heartbeat("c-2", WorkerLoad(free_blocks=1000, models=(ModelResidency("smol"),)))
+    routed.append(await route())
+    await registry.heartbeat("c-2", WorkerLoad(free_blocks=1000))
+    routed.append(await route())
+    registry.forget("c-1")
+    routed.append(await route())
+
+    # Latency placement routes only to the holders of a model (c-2 holds smol only while it says so);
+    # ties go to the lower id.
+    assert routed == [["c-1", "c-3"], ["c-0", "c-1", "c-3"], ["c-0", "c-1", "c-2", "c-3"], ["c-0", "c-1", "c-3"],
+                      ["c-0", "c-3"]]
