@@ -124,7 +124,6 @@ class _Roster:
     records (a registration, a heartbeat, a worker lost), so they are kept until then (_roster).
     Shared by every request routed meanwhile: never modified."""
 
-    records: list[WorkerRecord]
     colocated: list[WorkerRecord]
     prefill: list[WorkerRecord]  # the colocated workers when any, else the prefill ones
     decode: list[WorkerRecord]  # none when colocated workers serve the model
@@ -143,7 +142,7 @@ class _Roster:
         colocated = _with_role(records, WorkerRole.COLOCATED)
         prefill = colocated or _with_role(records, WorkerRole.PREFILL)
         decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
-        return cls(records, colocated, prefill, decode, matchable=prefill + _local_prefill(decode),
+        return cls(colocated, prefill, decode, matchable=prefill + _local_prefill(decode),
                    workers={r.info.worker_id: r for r in records},
                    one_model=not any(r.info.catalogue or r.load.models for r in records))
 
