@@ -192,7 +192,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stores", type=lambda t: t.split(","), default=["embedded"], help="embedded,redis")
     parser.add_argument("--schedulers", type=_ints, default=[1],
                         help="scheduler replicas, e.g. 1,2,4 (several need --stores redis: they share it)")
-    parser.add_argument("--sim-processes", type=int, default=2, help="processes the simulated workers share")
+    parser.add_argument("--sim-processes", type=int, default=8,
+                        help="processes the simulated workers share (a real worker has a process of its own: 50 to a "
+                             "process made their shared loop the paced routed->worker tail)")
     parser.add_argument("--requests", type=int, default=600, help="requests per point")
     parser.add_argument("--concurrency", type=int, default=48, help="requests in flight at once")
     parser.add_argument("--paced-requests", type=int, default=200,
