@@ -131,6 +131,8 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens; returns the new complete text (possibly "")."""
         if self._step is not None:
+            if len(token_ids) == 1:  # one token an event, as a stream usually has
+                return self._stepped(token_ids[0])
             return "".join([self._stepped(token_id) for token_id in token_ids])
         self._token_ids.extend(token_ids)
         delta = self._pending_text()

@@ -115,7 +115,7 @@ class Attempt:
                 self._fail(Unavailable(f"request {self._relay.request_id}: worker at {reader.address} "
                                        f"failed it and no scheduler is left to say why; retry the request"))
             return False
-        if reader.generator:
+        if reader.generator and not self._generator_started:
             self._generator_started = True
             self._generator_heard.set()
         reader.finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED

@@ -61,6 +61,7 @@ class OutputAssembler:
         self._options = options
         self._detokenizer = codec.incremental(options.skip_special_tokens)
         self._stops = StopStringMatcher(options.stop, options.include_stop_str_in_output)
+        self._searches = self._stops.searches  # fixed for the request: read once, not per event
         ends = set(options.sampling.stop_token_ids)
         self._stop_token_ids = ends if options.sampling.ignore_eos else ends | set(codec.eos_token_ids)
         self._num_prompt_tokens = len(prompt_token_ids)
@@ -80,7 +81,7 @@ class OutputAssembler:
                                      *event.prompt_logprobs]
         if self._options.prompt_only:
             return self._prompt_only(chunk, event)
-        if not self._stops.searches:
+        if not self._searches:
             self._add_all(chunk, event)
         elif self._add_each(chunk, event):
             return chunk  # a stop string ended the output
@@ -113,11 +114,12 @@ class OutputAssembler:
     def _add_all(self, chunk: Chunk, event: scheduler_pb2.TokenEvent) -> None:
         """An event's tokens in one go, as `_add_token` adds them one by one: without stop strings
         nothing ends the output inside an event, and the text of the tokens is their joined deltas."""
-        token_ids = list(event.token_ids)
+        token_ids = event.token_ids[:]  # a list; a slice of the repeated field costs less than list() of it
         if not token_ids:
             return
         chunk.token_ids.extend(token_ids)
-        chunk.logprobs.extend(event.logprobs)
+        if logprobs := event.logprobs:
+            chunk.logprobs.extend(logprobs)
         self._num_output_tokens += len(token_ids)
         self._last_token_id = token_ids[-1]
         if self._ends_on_stop_token(event) and not self._options.include_stop_str_in_output:

@@ -122,21 +122,23 @@ class Relay:
 
     def _deliver(self, event: TokenEvent) -> None:
         """Deliver an event at or behind the cursor, without the tokens already delivered."""
-        duplicate = self.next_offset - event.output_offset
-        if duplicate > len(event.token_ids):
-            return  # wholly behind the cursor: a stale copy, its finish reason included
-        if duplicate:
-            del event.token_ids[:duplicate]
+        token_ids = event.token_ids  # the repeated field read once: each read of it costs a wrapper's lookup
+        if duplicate := self.next_offset - event.output_offset:
+            if duplicate > len(token_ids):
+                return  # wholly behind the cursor: a stale copy, its finish reason included
+            del token_ids[:duplicate]
             del event.logprobs[:duplicate]
             event.output_offset = self.next_offset
-        if not event.token_ids and event.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        count = len(token_ids)
+        finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        if not count and not finished:
             return
-        self.next_offset += len(event.token_ids)
-        self.tokens.extend(event.token_ids)
-        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        self.next_offset += count
+        self.tokens.extend(token_ids)
+        if finished:
             self._close(event)
         elif (unread := self._unread) is not None and _joinable(unread, event):
-            unread.token_ids.extend(event.token_ids)  # the reader fell behind: one event for both
+            unread.token_ids.extend(token_ids)  # the reader fell behind: one event for both
             unread.logprobs.extend(event.logprobs)
             unread.timings.MergeFrom(event.timings)
         else:
