@@ -21,7 +21,7 @@ from services.common.errors import FailedPrecondition, InvalidRequest, Unavailab
 from services.common.store import WorkerRecord, WorkerRole
 from services.scheduler.inflight import InflightTable, WorkerLoads
 from services.scheduler.prefill_placement import PrefillDecision, PrefillInputs, PrefillPlacement, PrefillSite
-from services.scheduler.model_placement import ModelPlacement, catalogue, prefer_holders, serving
+from services.scheduler.model_placement import ModelPlacement, catalogue, holds, prefer_holders, serving
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import (Candidate, Score, blocks_for, cached_tokens, new_candidate, rank_decode,
                                       rank_prefill)
@@ -129,7 +129,7 @@ class _Roster:
     decode: list[WorkerRecord]  # none when colocated workers serve the model
     matchable: list[WorkerRecord]  # those whose prefix hits count: prefill, then decode ones that prefill locally
     workers: dict[str, WorkerRecord]  # records by id
-    one_model: bool  # no catalogue, no residency reports: every one holds the model (the usual case)
+    all_hold: bool  # every one holds the model (resident or loading), or it names none: the usual case
 
     @property
     def generators(self) -> list[WorkerRecord]:
@@ -144,7 +144,7 @@ class _Roster:
         decode = [] if colocated else _with_role(records, WorkerRole.DECODE)
         return cls(colocated, prefill, decode, matchable=prefill + _local_prefill(decode),
                    workers={r.info.worker_id: r for r in records},
-                   one_model=not any(r.info.catalogue or r.load.models for r in records))
+                   all_hold=not model or all(holds(r, model) for r in records))
 
 
 _ROSTERS_KEPT = 64  # models (and policies) whose roster is kept; past that, all are built afresh
@@ -182,10 +182,10 @@ async def plan_route(registry: WorkerRegistry, inflight: InflightTable,
     loads = inflight.loads()
     prefill_candidates = _candidates(registry, loads, prefill, matched)
     decode_candidates = _candidates(registry, loads, decode, {})
-    one_model = roster.one_model
+    all_hold = roster.all_hold
 
     def holders_first(scores: list[Score], room: Iterable[str]) -> list[Score]:
-        if one_model:  # every candidate holds the model: the router's order stands
+        if all_hold:  # every candidate holds the model: prefer_holders keeps the router's order
             return scores
         ranked = [s.worker_id for s in scores]
         order = prefer_holders(ranked, workers, request.model, room, registry.model_placement)
@@ -247,7 +247,7 @@ def _local_prefill(records: Iterable[WorkerRecord]) -> list[WorkerRecord]:
 
 def _with_room(candidates: Iterable[Candidate], num_tokens: int) -> Iterator[str]:
     """The workers with the free KV blocks for `num_tokens` now, lazily: prefer_holders reads them only
-    when some candidate lacks the model (never with one-model workers, on every route)."""
+    when some candidate lacks the model (never when every one holds it, the usual case)."""
     return (c.worker_id for c in candidates if c.free_blocks >= blocks_for(num_tokens, c.block_size))
 
 
