@@ -34,7 +34,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-_PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+_PARENT_PROPAGATOR = TraceContextTextMapPropagator()
+_PROPAGATOR = CompositePropagator([_PARENT_PROPAGATOR, W3CBaggagePropagator()])
 _PROPAGATED_KEYS = frozenset(_PROPAGATOR.fields)  # traceparent, tracestate, baggage
 _SCHEDULE_DELAY_MS = 500
 _DROP_PAUSE_S = 30.0
@@ -315,13 +316,15 @@ def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None, *, baggage: bool = True) -> Context:
     """The remote context in incoming gRPC metadata (e.g. `context.invocation_metadata()`);
-    an empty context when there is none, so spans started under it become new roots."""
+    an empty context when there is none, so spans started under it become new roots. `baggage`
+    False: the remote parent alone, for a span given its request id, the one thing Tandem's baggage
+    carries (its parsing is half the extraction's cost)."""
     carrier = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
     if not _PROPAGATED_KEYS.intersection(carrier):
         return Context()  # what the propagators make of no context, without their parsing
-    return _PROPAGATOR.extract(carrier, context=Context())
+    return (_PROPAGATOR if baggage else _PARENT_PROPAGATOR).extract(carrier, context=Context())
 
 
 def kv_transfer_attributes(blocks: int, num_bytes: int, chunks: int, seconds: float) -> dict[str, int | float]:

@@ -170,7 +170,7 @@ class Dispatcher:
         if request.request_id in self.inflight:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight; ids must be unique")
         span = self._tracer.start_span(
-            SpanName.SCHEDULER_SUBMIT, context=extract_context(context.invocation_metadata()),
+            SpanName.SCHEDULER_SUBMIT, context=extract_context(context.invocation_metadata(), baggage=False),
             kind=trace.SpanKind.SERVER,
             attributes={Attr.REQUEST_ID: request.request_id, Attr.GEN_AI_REQUEST_MODEL: request.model})
         sampling = request.sampling

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from opentelemetry import trace
+from opentelemetry import baggage, trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
@@ -270,3 +270,14 @@ def test_a_span_line_that_cannot_be_written_is_logged_and_never_fails_the_caller
     assert ([s.request_id for s in loaded.started], loaded.spans) == (["r1"], [])
     assert [r.getMessage() for r in caplog.records] == [
         f"tracing: writing a span line to {tmp_path / 'spans-scheduler.jsonl'} failed"]
+
+
+def test_the_remote_parent_alone_leaves_the_baggage_unread() -> None:
+    metadata = [("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+                ("baggage", "tandem.request_id=req-9")]
+    with_baggage, parent_only = extract_context(metadata), extract_context(metadata, baggage=False)
+
+    assert [trace.get_current_span(c).get_span_context() for c in (with_baggage, parent_only)] == [
+        trace.SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True,
+                          trace_flags=trace.TraceFlags(1))] * 2
+    assert (baggage.get_all(with_baggage), baggage.get_all(parent_only)) == ({Attr.REQUEST_ID: "req-9"}, {})
