@@ -198,7 +198,7 @@ async def serve(config: SchedulerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully."""
     tracing = setup_tracing("scheduler")
     metrics = ServiceMetrics("", "scheduler")
-    message_counts.register(metrics.registry)
+    message_counts.register(metrics.registry, metrics.model_name, metrics.worker)
     metrics_server = _start_metrics(config.host, config.metrics_port, metrics)
     store = open_store(config.redis_url)
     scheduler_id = secrets.token_hex(6)

@@ -37,14 +37,20 @@ def counts() -> dict[tuple[str, str], int]:
 
 
 class _MessageCollector(Collector):
+    """The counts under the service's own `model_name` and `worker` labels, as every tandem: series carries."""
+
+    def __init__(self, model_name: str, worker: str) -> None:
+        self._service = (model_name, worker)
+
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily("tandem:scheduler_stream_messages", "gRPC stream messages the scheduler "
-                                     "read (in) or wrote (out), by stream.", labels=("stream", "direction"))
+                                     "read (in) or wrote (out), by stream.",
+                                     labels=("model_name", "worker", "stream", "direction"))
         for (stream, direction), number in sorted(_COUNTS.items()):
-            family.add_metric((stream, direction), number)
+            family.add_metric((*self._service, stream, direction), number)
         yield family
 
 
-def register(registry: CollectorRegistry) -> None:
-    """Show the counts on `registry`'s /metrics."""
-    registry.register(_MessageCollector())
+def register(registry: CollectorRegistry, model_name: str, worker: str) -> None:
+    """Show the counts on `registry`'s /metrics, labelled as the service's other series."""
+    registry.register(_MessageCollector(model_name, worker))

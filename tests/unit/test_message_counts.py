@@ -16,7 +16,7 @@ def test_counts_add_up_by_stream_and_direction_and_show_on_metrics() -> None:
     assert added == {(ASSIGN, OUT): 2, (SUBMISSIONS, IN): 1}
 
     registry = CollectorRegistry()
-    message_counts.register(registry)
+    message_counts.register(registry, "", "scheduler")
     lines = generate_latest(registry).decode().splitlines()
-    assert (f'tandem:scheduler_stream_messages_total{{direction="out",stream="assign"}} '
+    assert (f'tandem:scheduler_stream_messages_total{{direction="out",model_name="",stream="assign",worker="scheduler"}} '
             f'{float(after[ASSIGN, OUT])}') in lines
