@@ -58,7 +58,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -425,22 +425,39 @@ def scheduler_stalls(run_dir: Path, start: float, end: float) -> list[Stall]:
 
 @contextmanager
 def niceness(pids: list[int], nice: int) -> Iterator[None]:
-    """Every thread of these processes at `nice` while the block runs, then back (Linux: a thread's own)."""
+    """Every thread of these processes, and their autogroups, at `nice` while the block runs, then back
+    (Linux). With autogroup scheduling on, each session's processes share the cores as one group (every
+    child of the cluster is a session of its own), so a thread's nice weighs it only against its own
+    process's threads: the group's nice (/proc/PID/autogroup) is what puts the cluster ahead of others' work."""
     if nice == 0:
         yield
         return
     tids = [int(task.name) for pid in pids for task in Path(f"/proc/{pid}/task").iterdir()]
     kept = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}
+    groups = {pid: group_nice for pid in pids if (group_nice := _autogroup_nice(pid)) is not None}
     for tid in tids:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
+    for pid in groups:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     try:
         yield
     finally:
+        for pid, value in groups.items():
+            with suppress(OSError):  # the process ended meanwhile
+                Path(f"/proc/{pid}/autogroup").write_text(str(value))
         for tid, value in kept.items():
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, value)
             except ProcessLookupError:  # the thread ended meanwhile
                 pass
+
+
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice of the process's autogroup ("/autogroup-N nice X"); None without autogroup scheduling."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _own_cpu_seconds() -> float:

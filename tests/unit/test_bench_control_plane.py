@@ -1,13 +1,17 @@
 """bench/control_plane.py's figures without a cluster: routing's added latency read from span files, the
-scheduler's messages per request."""
+scheduler's messages per request; the paced phase's niceness."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
 from collections import Counter
 from pathlib import Path
 
-from bench.control_plane import messages_per_request, route_hops_ms, scheduler_stalls
+import pytest
+
+from bench.control_plane import messages_per_request, niceness, route_hops_ms, scheduler_stalls
 from services.common.loop_stalls import Collection, Stall
 from services.common.spans import Attr, Event, SpanEvent, SpanName, SpanRecord, SpanStart, encode_records, span_file
 
@@ -58,3 +62,21 @@ def test_messages_per_request_keep_the_heartbeats_out_of_the_request_path() -> N
     assert figures["scheduler_messages_per_request"] == {
         "assign in": 1.0, "assign out": 1.0, "heartbeats in": 0.6, "heartbeats out": 0.6, "report_tokens in": 2.0,
         "submissions in": 1.0, "submissions out": 0.8}
+
+
+def autogroup_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/self/autogroup").exists(),
+                    reason="lowering a nice takes root; autogroups take Linux with autogroup scheduling")
+def test_niceness_sets_the_threads_and_the_autogroup_of_each_process_then_restores_them() -> None:
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a session, so an autogroup, of its own
+    try:
+        assert (os.getpriority(os.PRIO_PROCESS, child.pid), autogroup_nice(child.pid)) == (0, 0)
+        with niceness([child.pid], -7):
+            assert (os.getpriority(os.PRIO_PROCESS, child.pid), autogroup_nice(child.pid)) == (-7, -7)
+        assert (os.getpriority(os.PRIO_PROCESS, child.pid), autogroup_nice(child.pid)) == (0, 0)
+    finally:
+        child.kill()
+        child.wait()
