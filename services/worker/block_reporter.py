@@ -44,6 +44,7 @@ class BlockReporter:
         self._evicted: dict[BlockHash, None] = {}
         self._needs_reset = False
         self._changed_at: float | None = None  # time.monotonic() of the oldest change not yet taken
+        self._evicted_at: float | None = None  # ... of the oldest eviction not yet taken
         self._lock = asyncio.Lock()
         self._flushing: asyncio.Task | None = None
 
@@ -78,6 +79,8 @@ class BlockReporter:
     def _note_change(self) -> None:
         if self._changed_at is None and (self._stored or self._evicted):
             self._changed_at = time.monotonic()
+        if self._evicted_at is None and self._evicted:
+            self._evicted_at = time.monotonic()
 
     def _hold(self, block_hash: BlockHash) -> None:
         self._holders[block_hash] = self._holders.get(block_hash, 0) + 1
@@ -90,20 +93,27 @@ class BlockReporter:
             del self._holders[block_hash]
             _record(block_hash, undo=self._stored, record=self._evicted)
 
-    def attach(self, batch: scheduler_pb2.TokenBatch, min_wait_s: float = 0.0) -> bool:
-        """Move the pending changes onto `batch` for the token stream if the oldest waited `min_wait_s`.
-        False, leaving them pending, when they are younger, when there are none, when this worker
-        reports no blocks, or while a full resend is due or under way (`resend_soon`: they follow it)."""
+    def attach(self, batch: scheduler_pb2.TokenBatch, min_wait_s: float = 0.0,
+               evicted_wait_s: float | None = None) -> bool:
+        """Move the pending changes onto `batch` for the token stream if the oldest waited `min_wait_s`,
+        or the oldest eviction `evicted_wait_s` (None: the same). False, leaving them pending, when they
+        are younger, when there are none, when this worker reports no blocks, or while a full resend is
+        due or under way (`resend_soon`: they follow it)."""
         if self._stub is None or self._needs_reset or self._lock.locked() or not (self._stored or self._evicted):
             return False
-        if self._changed_at is not None and time.monotonic() - self._changed_at < min_wait_s:
+        if not self._due(time.monotonic(), min_wait_s, min_wait_s if evicted_wait_s is None else evicted_wait_s):
             return False
         batch.stored_blocks.extend(self._stored)
         batch.evicted_blocks.extend(self._evicted)
         self._stored.clear()
         self._evicted.clear()
-        self._changed_at = None
+        self._changed_at = self._evicted_at = None
         return True
+
+    def _due(self, now: float, min_wait_s: float, evicted_wait_s: float) -> bool:
+        if self._changed_at is None or now - self._changed_at >= min_wait_s:
+            return True
+        return bool(self._evicted) and self._evicted_at is not None and now - self._evicted_at >= evicted_wait_s
 
     def report_to(self, channel: grpc.aio.Channel) -> None:
         """ReportBlocks goes to this scheduler from now on (another replica, when the one it went to
@@ -161,7 +171,7 @@ class BlockReporter:
                                                         evicted=list(self._evicted))
         self._stored.clear()
         self._evicted.clear()
-        self._changed_at = None
+        self._changed_at = self._evicted_at = None
         self._needs_reset = False
         return request
 

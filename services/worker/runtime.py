@@ -52,7 +52,13 @@ STEP_COST_REFIT_STEPS = 16  # under a step target, the engines get the refitted 
 # and at once after a step that ran past the target
 PREFILL_FIT_MIN_STEPS = 6  # a prefill worker's step-cost fit needs this many steps, after its first
 PREFILL_FIT_WARMUP_STEPS = 2  # few: they take a chunk each (0.4-3 s on a CPU)
-BLOCKS_WAIT_S = 0.5  # prefix-cache changes wait this long for a token batch to ride before going alone
+# Prefix-cache changes with no token batch to ride wait this long for one before going alone. A stored
+# block waits longer: reported late it only delays a hit (the blocks a request's decode fills are asked
+# for by a follow-up that comes after its final event, whose batch carries them), where each block-only
+# batch costs the scheduler a message (at 0.5 s, 2 to 3 a request of 256 tokens, 100 workers). An evicted
+# block goes sooner: reported late, the index promises a hit the worker can no longer give.
+STORED_WAIT_S = 5.0
+EVICTED_WAIT_S = 0.5
 # A model's name -> its engine, loaded (services/worker/main_common.py's load_engine).
 EngineLoader = Callable[[str], Awaitable[Engine]]
 
@@ -404,19 +410,20 @@ class WorkerRuntime:
         return target
 
     def _report(self, report: scheduler_pb2.TokenBatch | None, placers: Sequence[str] = (),
-                blocks_wait_s: float = BLOCKS_WAIT_S) -> None:
+                blocks_wait_s: float | None = None) -> None:
         """A step's batch (None: the step started and ended nothing), each event to the scheduler that
         placed its request (`placers`, in the events' order; one not known here, to every scheduler),
         with the pending prefix-cache changes on the batch of the scheduler that takes the block reports.
-        Changes with no batch to ride wait up to `blocks_wait_s` for one, then go alone; a prefill
-        worker's go by ReportBlocks, and so do all while a full resend is due."""
+        Changes with no batch to ride wait up to `blocks_wait_s` for one (None: STORED_WAIT_S, or
+        EVICTED_WAIT_S for the oldest eviction), then go alone; a prefill worker's go by ReportBlocks,
+        and so do all while a full resend is due."""
         batches = self._per_scheduler(report, placers)
         seat = self._block_carrier()
         first = batches[seat] if batches else None
         carrier = first if first is not None else scheduler_pb2.TokenBatch()
         if not (self.reporters and self._blocks_on_stream):
             self.blocks.flush_soon()
-        elif self.blocks.attach(carrier, 0.0 if first is not None else blocks_wait_s):
+        elif self.blocks.attach(carrier, *_block_waits(first is not None, blocks_wait_s)):
             batches[seat] = carrier
         else:
             self.blocks.resend_soon()
@@ -604,3 +611,12 @@ def _step_cost_to_pb(cost: StepCost | None) -> scheduler_pb2.StepCostModel | Non
     return scheduler_pb2.StepCostModel(fixed_ms=cost.fixed_ms, per_token_ms=cost.per_token_ms,
                                        per_context_token_ms=cost.per_context_token_ms,
                                        per_decode_context_ms=cost.per_decode_context_ms)
+
+
+def _block_waits(riding: bool, wait_s: float | None) -> tuple[float, float]:
+    """How long the pending prefix-cache changes must have waited to be attached (min_wait_s,
+    evicted_wait_s): not at all when a batch goes anyway (`riding`), else `wait_s` for both, or the
+    stored and evicted bounds."""
+    if riding:
+        return 0.0, 0.0
+    return (STORED_WAIT_S, EVICTED_WAIT_S) if wait_s is None else (wait_s, wait_s)

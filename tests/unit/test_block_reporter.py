@@ -63,3 +63,30 @@ def test_changes_with_no_batch_to_ride_wait_their_time_before_going_alone():
     alone = scheduler_pb2.TokenBatch()
     assert not reporter.attach(alone, min_wait_s=3600.0) and not alone.stored_blocks and reporter.pending
     assert reporter.attach(alone, min_wait_s=0.0) and list(alone.stored_blocks) == [A]
+
+
+def test_an_eviction_goes_alone_sooner_than_a_store(monkeypatch):
+    """Stored blocks wait `min_wait_s` for a batch to ride, an eviction only `evicted_wait_s`; once one is
+    due, every pending change goes."""
+    now = [100.0]
+    monkeypatch.setattr("services.worker.block_reporter.time.monotonic", lambda: now[0])
+    reporter = BlockReporter(None, "w")
+    reporter._stub = object()
+    reporter.note("m1", [A, B], [])
+    now[0] = 104.9
+    reporter.note("m1", [], [A])  # cancels A's store: only B is stored, nothing evicted
+    alone = scheduler_pb2.TokenBatch()
+    assert not reporter.attach(alone, min_wait_s=5.0, evicted_wait_s=0.5)
+    now[0] = 105.0
+    assert reporter.attach(alone, min_wait_s=5.0, evicted_wait_s=0.5)  # B waited its 5 s
+    assert (list(alone.stored_blocks), list(alone.evicted_blocks)) == ([B], [])
+
+    reporter.note("m1", [C], [])
+    now[0] = 105.2
+    reporter.note("m1", [], [B])
+    later = scheduler_pb2.TokenBatch()
+    now[0] = 105.6
+    assert not reporter.attach(later, min_wait_s=5.0, evicted_wait_s=0.5)  # B's eviction 0.4 s old
+    now[0] = 105.7
+    assert reporter.attach(later, min_wait_s=5.0, evicted_wait_s=0.5)  # it waited 0.5 s: C goes with it
+    assert (list(later.stored_blocks), list(later.evicted_blocks)) == ([C], [B]) and not reporter.pending
