@@ -1,11 +1,17 @@
 """The prefix-cache mirror of a worker holding several models: a hash is held while any model holds
-it, and a model's eviction reports evicted only the blocks no other model holds."""
+it, and a model's eviction reports evicted only the blocks no other model holds; and when its
+changes go to the scheduler (on a token batch, or alone after their wait)."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 from services.common.block_hash import BlockHash
 from services.worker.block_reporter import BlockReporter
-from tandem.v1 import scheduler_pb2
+from services.worker.runtime import EVICTED_WAIT_S, STORED_WAIT_S, ModelPlan, WorkerIdentity, WorkerRuntime
+from services.worker.transport import open_channel
+from tandem.v1 import common_pb2, scheduler_pb2
 
 A, B, C = (BlockHash(f"{i:032x}") for i in (1, 2, 3))
 
@@ -90,3 +96,38 @@ def test_an_eviction_goes_alone_sooner_than_a_store(monkeypatch):
     now[0] = 105.7
     assert reporter.attach(later, min_wait_s=5.0, evicted_wait_s=0.5)  # it waited 0.5 s: C goes with it
     assert (list(later.stored_blocks), list(later.evicted_blocks)) == ([C], [B]) and not reporter.pending
+
+
+async def test_a_worker_s_stored_blocks_wait_for_a_batch_longer_than_its_evictions(monkeypatch) -> None:
+    """WorkerRuntime._report's defaults: a stored block rides the next batch with events (a request's
+    decode-filled blocks, its final one) or goes alone after STORED_WAIT_S; an eviction after EVICTED_WAIT_S."""
+    now = [0.0]
+    monkeypatch.setattr("services.worker.block_reporter.time.monotonic", lambda: now[0])
+    channel = open_channel("127.0.0.1:1")
+    runtime = WorkerRuntime(WorkerIdentity("w", common_pb2.WORKER_ROLE_COLOCATED, "127.0.0.1:3", "m", "cpu"),
+                            ModelPlan({"m": 1}, 1), make_engine=None, schedulers=[channel])
+    try:
+        sent: list[scheduler_pb2.TokenBatch] = []
+        runtime.reporters = [SimpleNamespace(send=sent.append, connected=asyncio.Event())]
+        runtime.reporters[0].connected.set()
+        runtime.registrations = [SimpleNamespace(response=scheduler_pb2.RegisterWorkerResponse(scheduler_id="a"))]
+
+        def at(seconds: float, batch: scheduler_pb2.TokenBatch | None = None) -> list[tuple[list[str], list[str]]]:
+            now[0] = seconds
+            runtime._report(batch, ("a",) if batch is not None else ())
+            taken = [(list(b.stored_blocks), list(b.evicted_blocks)) for b in sent]
+            sent.clear()
+            return taken
+
+        runtime.blocks.note("m", [A], [])
+        assert at(STORED_WAIT_S - 0.1) == []
+        assert at(STORED_WAIT_S) == [([A], [])]  # alone, once it waited STORED_WAIT_S
+        runtime.blocks.note("m", [B], [])
+        final = scheduler_pb2.TokenBatch(events=[scheduler_pb2.TokenEvent(request_id="r", finish_reason=1)])
+        assert at(STORED_WAIT_S + 0.1, final) == [([B], [])]  # on the final event's batch
+        runtime.blocks.note("m", [], [A])
+        now_s = STORED_WAIT_S + 0.1
+        assert at(now_s + EVICTED_WAIT_S - 0.1) == []
+        assert at(now_s + EVICTED_WAIT_S) == [([], [A])]
+    finally:
+        await channel.close()
