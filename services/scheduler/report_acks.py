@@ -21,6 +21,7 @@ from tandem.v1 import scheduler_pb2
 log = logging.getLogger(__name__)
 
 ACK_INTERVAL_S = 5.0
+CLOSE_WAIT_S = 1.0  # how long a stream's end waits for its ack writer to stop
 
 WriteAck = Callable[[scheduler_pb2.ReportAck], Awaitable[None]]
 
@@ -48,10 +49,11 @@ class StreamAcks:
             self._task = asyncio.create_task(self._send_when_due(), name="report-acks")
 
     async def close(self) -> None:
-        """The stream ended: acks still due are dropped (the worker resends what they covered)."""
+        """The stream ended: acks still due are dropped (the worker resends what they covered). An ack's
+        write to a worker that is gone may not end when cancelled: it is waited for CLOSE_WAIT_S at most."""
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=CLOSE_WAIT_S)
 
     async def _send_when_due(self) -> None:
         while True:

@@ -64,11 +64,13 @@ class TokenStreams:
                 if acks is not None:
                     acks.applied(batch.sequence, count)
         finally:
-            if acks is not None:
-                await acks.close()
+            # The stream's end is accounted before anything is awaited: a loss must not wait on an ack
+            # being written to the worker that is gone, nor be skipped by a cancellation meanwhile.
             if worker_id is not None:
                 self._open[worker_id] -= 1
                 if self._open[worker_id] == 0:
                     del self._open[worker_id]
                     self._on_closed(worker_id, "its token stream closed")
+            if acks is not None:
+                await acks.close()
         return count

@@ -127,3 +127,27 @@ async def test_numbered_batches_are_acked_once_applied_and_a_resend_or_an_unnumb
     stream.end()  # the ack due for 2 is dropped with the stream: the worker resends 2 on its next one
     assert await task == 5
     assert acks == [(2, 1, [("d-0", "r1")])]
+
+
+async def test_a_stream_whose_ack_write_hangs_still_ends_with_its_workers_loss() -> None:
+    seen = Recorder()
+    stream = Stream()
+    writing, released = asyncio.Event(), asyncio.Event()
+
+    async def write_ack(ack: scheduler_pb2.ReportAck) -> None:  # a write to a worker that is gone: it hangs,
+        writing.set()
+        while not released.is_set():
+            try:
+                await released.wait()
+            except asyncio.CancelledError:
+                continue  # and does not end when cancelled
+
+    task = asyncio.create_task(seen.streams.consume(stream.batches(), write_ack))
+    try:
+        stream.send("d-0", "r1", sequence=1)
+        await asyncio.wait_for(writing.wait(), 10)
+        stream.end()
+        assert await asyncio.wait_for(task, 10) == 1
+        assert seen.closed == [("d-0", "its token stream closed")]
+    finally:
+        released.set()  # the writer may end now
