@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from services.common.loop_stalls import STALL_LOG_ENV, Stall  # noqa: E402
 from services.common.spans import Attr, Event, SpanName, load_span_files  # noqa: E402
@@ -333,15 +334,14 @@ def stream_messages(addresses: list[str]) -> Counter[str]:
     for address in addresses:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
             text = response.read().decode()
-        for line in text.splitlines():
-            if line.startswith(_MESSAGES_METRIC + "{"):
-                labels, value = line[len(_MESSAGES_METRIC) + 1:].rsplit("} ", 1)
-                named = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.split(","))}
-                counts[f"{named['stream']} {named['direction']}"] += round(float(value))
+        for family in text_string_to_metric_families(text):
+            if family.name == _MESSAGES_FAMILY:
+                for sample in family.samples:
+                    counts[f"{sample.labels['stream']} {sample.labels['direction']}"] += round(sample.value)
     return counts
 
 
-_MESSAGES_METRIC = "tandem:scheduler_stream_messages_total"
+_MESSAGES_FAMILY = "tandem:scheduler_stream_messages"  # its samples: tandem:scheduler_stream_messages_total
 
 
 def messages_per_request(messages: Counter[str], requests: int) -> dict[str, object]:
